@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine:
+#   make train   install, then run the default training job
+#   make test    install, then run the test suite (this is what CI runs)
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install train test lint bench clean
+
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.cpp native/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch is pinned first so that no other requirement can pull a (multi-GB) CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q setuptools wheel pybind11
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/infinity train
+
+test: $(STAMP)
+	$(PY) -m ruff check infinity tools tests
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) tools/bench_adam.py --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info infinity/_native*.so

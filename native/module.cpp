@@ -1,0 +1,13 @@
+// The one native module: each component registers its functions in its own submodule.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void register_adam(py::module_& m);
+void register_aio(py::module_& m);
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "infinity native kernels: SIMD CPU Adam and the async direct-I/O engine";
+    register_adam(m);
+    register_aio(m);
+}
