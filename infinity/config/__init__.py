@@ -1,0 +1,33 @@
+"""One typed config, loaded from DeepSpeed-style JSON and validated with errors that name the key."""
+
+from infinity.config.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.config.schema import AUTO, ConfigError
+from infinity.config.sections import (
+    AioConfig,
+    BF16Config,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    ProfilerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+
+__all__ = [
+    "AUTO",
+    "AioConfig",
+    "BF16Config",
+    "ConfigError",
+    "FP16Config",
+    "InfinityConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "ProfilerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "load_config",
+    "resolve_auto",
+    "resolve_batch_sizes",
+]

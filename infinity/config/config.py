@@ -1,0 +1,140 @@
+"""The one typed config: DeepSpeed's JSON schema in, a frozen `InfinityConfig` out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infinity.config.schema import AUTO, ConfigError, option, parse_section, to_dict
+from infinity.config.sections import (
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    FP16Config,
+    OptimizerConfig,
+    ProfilerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+
+
+@dataclass(frozen=True)
+class InfinityConfig:
+    """A whole run's configuration; batch sizes are resolved by `resolve_batch_sizes`."""
+
+    train_batch_size: int | None = option(None, min_value=1, allow_auto=True)
+    train_micro_batch_size_per_gpu: int | None = option(None, min_value=1, allow_auto=True)
+    gradient_accumulation_steps: int | None = option(None, min_value=1, allow_auto=True)
+    optimizer: OptimizerConfig | None = option(None)
+    scheduler: SchedulerConfig | None = option(None)
+    fp16: FP16Config = option(default_factory=FP16Config)
+    bf16: BF16Config = option(default_factory=BF16Config, aliases=("bfloat16",))
+    gradient_clipping: float = option(0.0, min_value=0.0, allow_auto=True)
+    zero_optimization: ZeroConfig = option(default_factory=ZeroConfig)
+    aio: AioConfig = option(default_factory=AioConfig)
+    profiler: ProfilerConfig = option(default_factory=ProfilerConfig)
+    checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig)
+    steps_per_print: int = option(10, min_value=1)
+    wall_clock_breakdown: bool = option(False)
+    prescale_gradients: bool = option(False)
+    gradient_predivide_factor: float = option(1.0, min_value=0.0)
+    zero_allow_untested_optimizer: bool = option(False)
+    seed: int = option(1234)
+
+    def __post_init__(self) -> None:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16.enabled else "float16" if self.fp16.enabled else "float32"
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+def _read(source: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a JSON object at the top level")
+    return data
+
+
+def load_config(source: dict[str, Any] | str | os.PathLike | InfinityConfig | None) -> InfinityConfig:
+    """Parse and validate a DeepSpeed-style config given as a dict, a JSON file path or None."""
+    if isinstance(source, InfinityConfig):
+        return source
+    return parse_section(InfinityConfig, _read(source))
+
+
+def resolve_batch_sizes(cfg: InfinityConfig, world_size: int) -> InfinityConfig:
+    """Fill the batch triple so that train = micro x accumulation x world_size, or explain why not."""
+    train, micro, gas = (
+        None if v == AUTO else v
+        for v in (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    )
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) x "
+                f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {micro * gas * world_size}"
+            )
+    elif train is not None and micro is not None:
+        if train % (micro * world_size):
+            raise ConfigError(
+                f"train_batch_size ({train}) is not divisible by train_micro_batch_size_per_gpu ({micro}) "
+                f"x world size ({world_size}) = {micro * world_size}"
+            )
+        gas = train // (micro * world_size)
+    elif train is not None and gas is not None:
+        if train % (gas * world_size):
+            raise ConfigError(
+                f"train_batch_size ({train}) is not divisible by gradient_accumulation_steps ({gas}) "
+                f"x world size ({world_size}) = {gas * world_size}"
+            )
+        micro = train // (gas * world_size)
+    elif train is not None:
+        if train % world_size:
+            raise ConfigError(f"train_batch_size ({train}) is not divisible by the world size ({world_size})")
+        gas, micro = 1, train // world_size
+    else:
+        micro = micro or 1
+        gas = gas or 1
+    train = micro * gas * world_size
+    return dataclasses.replace(
+        cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas
+    )
+
+
+def resolve_auto(cfg: InfinityConfig, hidden_size: int | None) -> InfinityConfig:
+    """Resolve "auto" stage-3 sizes from the model's hidden size, as Hugging Face's integration does."""
+    z = cfg.zero_optimization
+    updates: dict[str, Any] = {}
+    rules = {
+        "reduce_bucket_size": lambda h: h * h,
+        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+        "stage3_param_persistence_threshold": lambda h: 10 * h,
+    }
+    for name, rule in rules.items():
+        if getattr(z, name) == AUTO:
+            if hidden_size is None:
+                default = next(f.default for f in dataclasses.fields(z) if f.name == name)
+                updates[name] = default
+            else:
+                updates[name] = rule(hidden_size)
+    clip = 0.0 if cfg.gradient_clipping == AUTO else cfg.gradient_clipping
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(z, **updates), gradient_clipping=clip)

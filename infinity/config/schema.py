@@ -1,0 +1,166 @@
+"""Turns JSON dicts into frozen dataclasses, field by field, with errors that name the key.
+
+A section is a frozen dataclass whose fields carry their JSON rules in `metadata` (see `option`).
+`parse_section` is the single place that checks names, types, ranges and choices; inner code
+trusts the objects it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the key path and what is allowed."""
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    aliases: tuple[str, ...] = (),
+    choices: tuple[Any, ...] | None = None,
+    min_value: float | None = None,
+    max_value: float | None = None,
+    allow_auto: bool = False,
+    default_factory: Any = dataclasses.MISSING,
+    doc: str = "",
+) -> Any:
+    """A dataclass field with the JSON rules `parse_section` enforces."""
+    meta = {
+        "aliases": aliases,
+        "choices": choices,
+        "min": min_value,
+        "max": max_value,
+        "auto": allow_auto,
+        "doc": doc,
+    }
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return "known keys: " + ", ".join(sorted(known))
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        errors = []
+        for arg in args:
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{path}' must be an object (a JSON dict), got {value!r}")
+        return parse_section(tp, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"'{path}' must be a list, got {value!r}")
+        (item_tp, *_rest) = typing.get_args(tp)
+        return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{path}' must be an object (a JSON dict), got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{path}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"'{path}' must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # DeepSpeed configs write sizes as 5e8
+        raise ConfigError(f"'{path}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{path}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"'{path}' must be a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"schema type {_type_name(tp)} at '{path}' is not supported")
+
+
+def parse_section(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Build `cls` from `data`, rejecting unknown keys and bad values with the key's full path."""
+    hints = typing.get_type_hints(cls)
+    by_name: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        by_name[f.name] = f
+        for alias in f.metadata.get("aliases", ()):
+            by_name[alias] = f
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else key
+        f = by_name.get(key)
+        if f is None:
+            where = f"in '{path}'" if path else "at the top level"
+            raise ConfigError(f"unknown config key '{full}' {where}: {_suggest(key, list(by_name))}")
+        if f.name in values:
+            raise ConfigError(f"'{full}' is given twice (also under another of its names)")
+        meta = f.metadata
+        if value == AUTO:
+            if not meta.get("auto"):
+                raise ConfigError(f"'{full}' does not accept \"auto\"")
+            values[f.name] = AUTO
+            continue
+        converted = _convert(value, hints[f.name], full)
+        choices = meta.get("choices")
+        if choices is not None and converted not in choices:
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"'{full}' is {value!r}; allowed values: {allowed}")
+        lo, hi = meta.get("min"), meta.get("max")
+        if lo is not None and converted is not None and converted < lo:
+            raise ConfigError(f"'{full}' is {value!r}; it must be >= {lo}")
+        if hi is not None and converted is not None and converted > hi:
+            raise ConfigError(f"'{full}' is {value!r}; it must be <= {hi}")
+        values[f.name] = converted
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"'{path or 'config'}' is missing required key(s): {', '.join(missing)}")
+    return cls(**values)
+
+
+def to_dict(section: Any) -> dict[str, Any]:
+    """The resolved section as plain JSON-able data, every default filled in."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out

@@ -1,0 +1,144 @@
+"""The config sections, with DeepSpeed's key names and defaults where DeepSpeed has the key.
+
+Each section is a frozen dataclass; `schema.parse_section` validates it once at the edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from infinity.config.schema import ConfigError, option
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The async direct-I/O engine (DeepSpeed's `aio` section)."""
+
+    block_size: int = option(1048576, min_value=4096, doc="bytes per I/O piece; a multiple of 4096")
+    queue_depth: int = option(8, min_value=1, doc="requests in flight per worker thread")
+    intra_op_parallelism: int = option(
+        1, aliases=("thread_count",), min_value=1, doc="worker threads splitting each request"
+    )
+    single_submit: bool = option(False)
+    overlap_events: bool = option(True)
+    use_gds: bool = option(False, doc="accepted for DeepSpeed compatibility; GPUDirect is not used")
+
+    def __post_init__(self) -> None:
+        if self.block_size % 4096:
+            raise ConfigError(f"'aio.block_size' is {self.block_size}; it must be a multiple of 4096")
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """Where each rank's parameter shards live between uses (`zero_optimization.offload_param`)."""
+
+    device: str = option("none", choices=OFFLOAD_DEVICES)
+    nvme_path: str | None = option(None)
+    pin_memory: bool = option(False)
+    buffer_count: int = option(5, min_value=1)
+    buffer_size: int = option(100_000_000, min_value=1, doc="elements per host staging buffer")
+    max_in_cpu: int = option(1_000_000_000, min_value=0, doc="parameter elements kept in host memory")
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """Where fp32 master weights and Adam moments live (`zero_optimization.offload_optimizer`)."""
+
+    device: str = option("none", choices=OFFLOAD_DEVICES)
+    nvme_path: str | None = option(None)
+    pin_memory: bool = option(False)
+    buffer_count: int = option(4, min_value=1)
+    pipeline_read: bool = option(False)
+    pipeline_write: bool = option(False)
+    fast_init: bool = option(False)
+    ratio: float = option(1.0, min_value=0.0, max_value=1.0)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """`zero_optimization`: sharding stage, offload sections and the stage-3 scheduling knobs."""
+
+    stage: int = option(3, choices=(0, 1, 2, 3))
+    offload_param: OffloadParamConfig = option(default_factory=OffloadParamConfig)
+    offload_optimizer: OffloadOptimizerConfig = option(default_factory=OffloadOptimizerConfig)
+    block_classes: tuple[str, ...] = option((), doc="module class names that form one block each")
+    block_size_elems: int = option(
+        10_000_000, min_value=1, doc="without block_classes: group modules into blocks of about this size"
+    )
+    stage3_prefetch_bucket_size: int = option(50_000_000, min_value=0, allow_auto=True)
+    stage3_param_persistence_threshold: int = option(100_000, min_value=0, allow_auto=True)
+    stage3_max_live_parameters: int = option(1_000_000_000, min_value=0)
+    stage3_max_reuse_distance: int = option(1_000_000_000, min_value=0)
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False, aliases=("stage3_gather_fp16_weights_on_model_save",)
+    )
+    reduce_bucket_size: int = option(500_000_000, min_value=1, allow_auto=True)
+    allgather_bucket_size: int = option(500_000_000, min_value=1)
+    sub_group_size: int = option(1_000_000_000, min_value=1)
+    contiguous_gradients: bool = option(True)
+    overlap_comm: bool = option(True)
+    reduce_scatter: bool = option(True)
+    allgather_partitions: bool = option(True)
+    round_robin_gradients: bool = option(False)
+    elastic_checkpoint: bool = option(False)
+    ignore_unused_parameters: bool = option(True)
+    comm_timeout_s: float = option(600.0, min_value=1.0, doc="a collective waiting longer aborts the run")
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """`fp16`: half-precision compute with dynamic (loss_scale 0) or static loss scaling."""
+
+    enabled: bool = option(False)
+    auto_cast: bool = option(False)
+    loss_scale: float = option(0.0, min_value=0.0)
+    initial_scale_power: int = option(16, min_value=0, max_value=64)
+    loss_scale_window: int = option(1000, min_value=1)
+    hysteresis: int = option(2, min_value=1)
+    consecutive_hysteresis: bool = option(False)
+    min_loss_scale: float = option(1.0, min_value=0.0)
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """`bf16`: bfloat16 compute with fp32 master weights."""
+
+    enabled: bool = option(False)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """`optimizer`: type and its params, as DeepSpeed writes them."""
+
+    type: str = option(choices=("Adam", "AdamW", "adam", "adamw"))
+    params: dict[str, Any] = option(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler`: type and its params, as DeepSpeed writes them."""
+
+    type: str = option(choices=("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"))
+    params: dict[str, Any] = option(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """`profiler`: swap-traffic recording, steps [start_step, end_step] inclusive."""
+
+    enabled: bool = option(False)
+    path: str = option("infinity_trace")
+    start_step: int = option(0, min_value=0)
+    end_step: int = option(1_000_000_000, min_value=0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """`checkpoint`: accepted DeepSpeed keys."""
+
+    tag_validation: str = option("Warn", choices=("Ignore", "Warn", "Fail"))
+    load_universal: bool = option(False)
+    use_node_local_storage: bool = option(False)
