@@ -1,3 +1,8 @@
 """infinity: train PyTorch models too large for the hardware they run on."""
 
+from infinity.config import ConfigError, InfinityConfig, load_config
+from infinity.engine import GatheredParameters, InfinityEngine, initialize
+
 __version__ = "0.1.0"
+
+__all__ = ["ConfigError", "GatheredParameters", "InfinityConfig", "InfinityEngine", "initialize", "load_config"]

@@ -1,0 +1,81 @@
+"""Collectives on flat 1-D buffers; with world size 1 they are local copies and need no process group.
+
+Every collective names what it was moving when it fails, so a rank that died shows up as a clear
+error on its peers (after the process group's timeout at worst), not a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A collective failed, typically because a peer rank died or timed out."""
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """The data-parallel group: this rank, the world size, and the torch process group (None if 1)."""
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def _fail(self, op: str, what: str, exc: Exception) -> CommError:
+        return CommError(
+            f"rank {self.rank}/{self.world_size}: {op} of {what} failed ({exc}); "
+            "a peer rank has probably died or is stuck: check the other ranks' logs"
+        )
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
+        """Fill `full` (world_size x shard.numel()) with every rank's shard, in rank order."""
+        if not self.distributed:
+            full.copy_(shard)
+            return None
+        try:
+            return dist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op)
+        except Exception as exc:
+            raise self._fail("all-gather", what, exc) from exc
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        """Write into `shard` this rank's slice of the mean of `full` over ranks."""
+        if not self.distributed:
+            shard.copy_(full)
+            return
+        try:
+            dist.reduce_scatter_tensor(shard, full, group=self.group)
+        except Exception as exc:
+            raise self._fail("reduce-scatter", what, exc) from exc
+        shard.div_(self.world_size)
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`."""
+        if self.distributed:
+            red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+            try:
+                dist.all_reduce(tensor, op=red, group=self.group)
+            except Exception as exc:
+                raise self._fail("all-reduce", what, exc) from exc
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        if self.distributed:
+            try:
+                dist.broadcast(tensor, src=src, group=self.group)
+            except Exception as exc:
+                raise self._fail("broadcast", what, exc) from exc
+        return tensor
+
+    def barrier(self, what: str) -> None:
+        if self.distributed:
+            try:
+                dist.barrier(group=self.group)
+            except Exception as exc:
+                raise self._fail("barrier", what, exc) from exc

@@ -1,0 +1,255 @@
+"""InfinityEngine: wires partition, placement, scheduler and optimizer into forward/backward/step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from infinity.comm import CommGroup, init_distributed
+from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.engine.param_groups import plan_groups
+from infinity.engine.placement import ShardPlacement
+from infinity.optim.loss_scaler import LossScaler
+from infinity.optim.lr_schedules import build_schedule
+from infinity.optim.sharded_adam import ShardedAdam
+from infinity.partition import FlatParam, plan_blocks
+from infinity.partition.sharded_block import ShardedBlock
+from infinity.scheduler import BlockScheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TIERS = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _check_model(model: nn.Module) -> None:
+    if getattr(model, "_infinity_engine", None) is not None:
+        raise ValueError("this model is already wrapped by an infinity engine; pass the original model only once")
+    for name, p in model.named_parameters():
+        if getattr(p, "_infinity_flat", None) is not None:
+            raise ValueError(f"parameter '{name}' is already sharded by another engine")
+        if p.is_meta:
+            raise ValueError(
+                f"parameter '{name}' is on the meta device and has no values; build the model under "
+                "infinity.Init(config=...) or materialize it (e.g. model.to_empty(device='cpu') then init) first"
+            )
+
+
+class InfinityEngine:
+    """A ZeRO-3 model: call it like the module, then `backward(loss)` and `step()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: InfinityConfig | dict | str | None,
+        model_parameters: Iterable | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        _check_model(model)
+        cfg = load_config(config)
+        z = cfg.zero_optimization
+        if z.stage != 3:
+            raise ConfigError(
+                f"'zero_optimization.stage' is {z.stage}; infinity implements ZeRO stage 3 only: set it to 3"
+            )
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device(
+            "cpu"
+        )
+        rank, world = init_distributed(self.device, z.comm_timeout_s)
+        self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
+        cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
+        self.config = cfg
+        self.compute_dtype = _DTYPES[cfg.compute_dtype_name]
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
+        self.module = model
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.loss_scaler = LossScaler(cfg.fp16)
+
+        param_tier = _TIERS[z.offload_param.device]
+        optim_tier = _TIERS[z.offload_optimizer.device]
+        if "nvme" in (param_tier, optim_tier):
+            raise ConfigError("NVMe offload is not available yet in this version of the engine; use 'cpu' or 'none'")
+        for buf_module in model.modules():
+            for key, buf in buf_module._buffers.items():
+                if buf is not None:
+                    buf_module._buffers[key] = buf.to(self.device)
+        self.placement = ShardPlacement(param_tier, self.device, z.offload_param.pin_memory)
+        groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
+
+        plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
+        self.blocks = [
+            ShardedBlock(i, name, module, self._make_flats(name, uses, groups.group_of, persistent=False))
+            for i, (name, module, uses) in enumerate(plan.blocks)
+        ]
+        self.root = ShardedBlock(-1, "<root>", model, self._make_flats("<root>", plan.root, groups.group_of, False))
+        self.persistent = ShardedBlock(
+            -2, "<persistent>", None, self._make_flats("<persistent>", plan.persistent, groups.group_of, True)
+        )
+        self.flats = [f for b in (*self.blocks, self.root, self.persistent) for f in b.flats]
+
+        shards = []
+        optim_device = self.device if optim_tier == "device" else torch.device("cpu")
+        for flat in self.flats:
+            full32 = flat.initial_full_fp32()
+            flat.install_views()  # from here on the parameters are views into the flat buffer
+            start, end = flat.shard_range
+            self.placement.put(flat, full32[start:end].to(self.compute_dtype))
+            if flat.requires_grad:
+                home = self.placement.home(flat)
+                if home.dtype == torch.float32 and home.device == optim_device:
+                    master = home  # fp32 with weights and optimizer on one tier: one copy serves both
+                else:
+                    master = full32[start:end].to(optim_device, copy=True)
+                shards.append((flat, master, home))
+            if flat.persistent:
+                with torch.no_grad():
+                    flat.full.copy_(full32)
+            else:
+                flat.release()
+            del full32
+
+        self.optimizer = ShardedAdam(shards, groups.groups, groups.adamw_mode, offloaded=optim_tier != "device")
+        self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
+        self.scheduler = BlockScheduler(
+            model,
+            self.blocks,
+            self.root,
+            self.persistent,
+            self.placement,
+            self._reduce_block_grads,
+            prefetch_bucket_elems=z.stage3_prefetch_bucket_size,
+            max_live_elems=z.stage3_max_live_parameters,
+            max_reuse_distance_elems=z.stage3_max_reuse_distance,
+        )
+        model._infinity_engine = self
+
+    # -- construction helpers ------------------------------------------------------------------
+
+    def _make_flats(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
+        by_group: dict[int | None, list] = {}
+        for use in uses:
+            by_group.setdefault(group_of.get(id(use[1])), []).append(use)
+        flats = []
+        for group_index, members in sorted(by_group.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            flat = FlatParam(
+                f"{name}#{'frozen' if group_index is None else group_index}",
+                members,
+                self.compute_dtype,
+                self.device,
+                self.comm,
+                group_index,
+                persistent,
+            )
+            for p in flat.params:
+                p._infinity_flat = flat
+                p._infinity_owner = self
+            flats.append(flat)
+        return flats
+
+    def _make_lr_scheduler(self, lr_scheduler: Any):
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else (
+                lr_scheduler
+            )
+        if self.config.scheduler is not None:
+            return build_schedule(self.config.scheduler.type, self.optimizer, self.config.scheduler.params)
+        return None
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def _reduce_block_grads(self, block: ShardedBlock) -> None:
+        """Reduce-scatter the block's full gradients into this rank's shards and free them."""
+        for flat in block.flats:
+            if not flat.requires_grad:
+                continue
+            full = flat.flat_grad()
+            if full is None:
+                if not self.comm.distributed:
+                    continue
+                full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=self.device)
+            shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device)
+            self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
+            self.optimizer.accumulate_grad(flat, shard)
+            flat.clear_grads()
+
+    # -- the training API ----------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""
+        scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
+        scaled.backward()
+        self.scheduler.finish_backward()
+
+    def step(self) -> None:
+        """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        clip = self.config.gradient_clipping
+        scale = self.loss_scaler.scale
+        coef = 1.0
+        if clip > 0 or self.loss_scaler.enabled:
+            norm_sq = self.optimizer.local_grad_norm_sq().to(self.device)
+            self.comm.all_reduce(norm_sq, "gradient norm")
+            norm = math.sqrt(norm_sq.item()) / scale if math.isfinite(norm_sq.item()) else math.inf
+            self.last_grad_norm = norm
+            if self.loss_scaler.update(overflow=not math.isfinite(norm)):
+                self.optimizer.zero_grad()
+                self.global_steps += 1
+                return
+            coef = ShardedAdam.clip_coefficient(norm, clip)
+        self.optimizer.step(grad_scale=coef / scale)
+        self.optimizer.zero_grad()
+        self.persistent.release()  # its gathered copy is stale: re-gathered at the next forward
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+
+    def train(self, mode: bool = True) -> InfinityEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> InfinityEngine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.loss_scaler.skipped_steps
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from infinity.engine.gathered import full_state_dict
+
+        return full_state_dict(self)

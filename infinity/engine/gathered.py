@@ -1,0 +1,82 @@
+"""Full weights outside forward: `GatheredParameters` and the engine's `full_state_dict`."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from infinity.partition import FlatParam
+
+if TYPE_CHECKING:
+    from infinity.engine.engine import InfinityEngine
+
+
+def _gather_full(engine: InfinityEngine, flat: FlatParam, fp32: bool) -> torch.Tensor:
+    """The whole flat buffer on every rank: fp32 masters if trainable and `fp32`, else the compute shards."""
+    state = engine.optimizer.shard_states.get(flat)
+    if fp32 and state is not None:
+        shard = state.master.to(engine.device, dtype=torch.float32)
+    else:
+        shard = engine.placement.home(flat).to(engine.device)
+        if fp32:
+            shard = shard.float()
+    full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=engine.device)
+    engine.comm.all_gather(full, shard, f"full weights of {flat.name}")
+    return full
+
+
+@torch.no_grad()
+def full_state_dict(engine: InfinityEngine) -> dict[str, torch.Tensor]:
+    """Full fp32 weights on CPU keyed like the unwrapped model's state_dict (every name of a tied weight)."""
+    by_param: dict[int, torch.Tensor] = {}
+    for flat in engine.flats:
+        values = flat.unflatten(_gather_full(engine, flat, fp32=True).cpu())
+        for slot, p in zip(flat.slots, flat.params, strict=True):
+            by_param[id(p)] = values[slot.fqn].clone()
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if key in params:
+            out[key] = by_param[id(params[key])]
+        else:
+            out[key] = value.detach().cpu().clone()
+    return out
+
+
+class GatheredParameters:
+    """Full weights of sharded parameters inside the block; written back to the shards on exit when
+    `modifier_rank` is given (that rank's values are broadcast to all first)."""
+
+    def __init__(self, params: nn.Parameter | list[nn.Parameter], modifier_rank: int | None = None) -> None:
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.flats: list[FlatParam] = []
+        for p in params:
+            flat = getattr(p, "_infinity_flat", None)
+            if flat is not None and flat not in self.flats:
+                self.flats.append(flat)
+        self.modifier_rank = modifier_rank
+        self._was_gathered: list[bool] = []
+
+    def __enter__(self) -> None:
+        for flat in self.flats:
+            engine = flat.params[0]._infinity_owner
+            self._was_gathered.append(flat.gathered)
+            if not flat.gathered:
+                flat.gather_from(engine.placement.home(flat).to(engine.device))
+
+    @torch.no_grad()
+    def __exit__(self, *exc) -> None:
+        for flat, was_gathered in zip(self.flats, self._was_gathered, strict=True):
+            engine = flat.params[0]._infinity_owner
+            if self.modifier_rank is not None and exc[0] is None:
+                engine.comm.broadcast(flat.full, self.modifier_rank, f"modified weights of {flat.name}")
+                start, end = flat.shard_range
+                engine.placement.home(flat).copy_(flat.full[start:end])
+                state = engine.optimizer.shard_states.get(flat)
+                if state is not None and state.master.data_ptr() != engine.placement.home(flat).data_ptr():
+                    state.master.copy_(flat.full[start:end])
+            if not was_gathered:
+                flat.release()

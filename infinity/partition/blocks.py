@@ -1,0 +1,94 @@
+"""Choosing blocks (the unit of gathering and swapping) and which parameters each one owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from infinity.config import ConfigError
+
+# (fqn, parameter, every (module, attribute) that uses it)
+ParamUse = tuple[str, nn.Parameter, tuple[tuple[nn.Module, str], ...]]
+
+
+@dataclass
+class BlockPlan:
+    """The blocks in module order, each with its parameters; the root owns the rest."""
+
+    blocks: list[tuple[str, nn.Module, list[ParamUse]]] = field(default_factory=list)
+    root: list[ParamUse] = field(default_factory=list)
+    persistent: list[ParamUse] = field(default_factory=list)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _choose_block_modules(
+    model: nn.Module, block_classes: tuple[str, ...], block_size_elems: int
+) -> list[tuple[str, nn.Module]]:
+    if block_classes:
+        chosen: list[tuple[str, nn.Module]] = []
+        seen_classes: set[str] = set()
+        for name, module in model.named_modules():
+            cls = type(module).__name__
+            if cls in block_classes and not any(name.startswith(n + ".") for n, _ in chosen) and module is not model:
+                chosen.append((name, module))
+                seen_classes.add(cls)
+        missing = [c for c in block_classes if c not in seen_classes]
+        if missing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"'zero_optimization.block_classes' names {missing}, which the model does not contain; "
+                f"module classes in this model: {', '.join(present)}"
+            )
+        return chosen
+
+    def walk(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        out = []
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            size = _numel(child)
+            if size == 0:
+                continue
+            if size <= block_size_elems or not any(True for _ in child.children()):
+                out.append((name, child))
+            else:
+                out.extend(walk(name, child))
+        return out
+
+    return walk("", model)
+
+
+def plan_blocks(
+    model: nn.Module, block_classes: tuple[str, ...], block_size_elems: int, persistence_threshold: int
+) -> BlockPlan:
+    """Assign every parameter to one block, the root (shared across blocks), or the persistent set."""
+    block_modules = _choose_block_modules(model, block_classes, block_size_elems)
+    block_of_module: dict[int, int] = {}
+    for index, (_, block) in enumerate(block_modules):
+        for m in block.modules():
+            block_of_module[id(m)] = index
+
+    uses: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        module_name, _, attr = fqn.rpartition(".")
+        uses.setdefault(id(p), []).append((fqn, modules[module_name], attr))
+        params[id(p)] = p
+
+    plan = BlockPlan(blocks=[(name, module, []) for name, module in block_modules])
+    for pid, p in params.items():
+        entries = uses[pid]
+        use = (entries[0][0], p, tuple((m, a) for _, m, a in entries))
+        owners = {block_of_module.get(id(m)) for _, m, _ in entries}
+        if p.numel() < persistence_threshold:
+            plan.persistent.append(use)
+        elif len(owners) == 1 and None not in owners:
+            plan.blocks[owners.pop()][2].append(use)
+        else:
+            plan.root.append(use)  # used outside any block, or by several blocks (tied weights)
+    plan.blocks = [b for b in plan.blocks if b[2]]
+    return plan

@@ -1,0 +1,126 @@
+"""FlatParam: some parameters of one block as one flat buffer, of which each rank holds a 1/N shard.
+
+The full (gathered) buffer is allocated once and its storage is resized to zero when released; the
+parameters are views into it while gathered and empty tensors otherwise. Tensors autograd saved
+during forward keep pointing at the same storage, so refilling it before backward makes them valid
+again (the technique FSDP1's flat parameter uses).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from infinity.comm import CommGroup
+
+# Each rank's shard is a multiple of this many elements: 4 KiB of fp32, so shards of every dtype stay
+# aligned for direct I/O and divide evenly by the world size.
+SHARD_ALIGN_ELEMS = 1024
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives: the modules and attribute names using it, and its range in the flat."""
+
+    fqn: str
+    uses: tuple[tuple[nn.Module, str], ...]
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class FlatParam:
+    """A flat, padded, sharded buffer for parameters that share a block, a param group and trainability."""
+
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter, tuple[tuple[nn.Module, str], ...]]],
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        comm: CommGroup,
+        group_index: int | None,
+        persistent: bool,
+    ) -> None:
+        self.name = name
+        self.comm = comm
+        self.group_index = group_index  # None: frozen parameters, never stepped
+        self.persistent = persistent
+        self.params = [p for _, p, _ in params]
+        self.requires_grad = group_index is not None
+        slots, offset = [], 0
+        for fqn, p, uses in params:
+            slots.append(ParamSlot(fqn, uses, p.shape, offset))
+            offset += p.numel()
+        self.slots: tuple[ParamSlot, ...] = tuple(slots)
+        self.numel = offset
+        per_rank = math.ceil(offset / comm.world_size)
+        self.shard_numel = math.ceil(per_rank / SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
+        self.padded_numel = self.shard_numel * comm.world_size
+        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        self._empty = torch.empty(0, dtype=compute_dtype, device=device)
+        self.gathered = True
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        start = self.comm.rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def initial_full_fp32(self) -> torch.Tensor:
+        """The parameters' current values flattened to fp32 (padding zero), identical on every rank."""
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.full.device)
+        for slot, p in zip(self.slots, self.params, strict=True):
+            flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        # Ranks may have built their models from different seeds: rank 0's weights win.
+        self.comm.broadcast(flat, 0, f"initial weights of {self.name}")
+        return flat
+
+    def install_views(self) -> None:
+        """Point every parameter at its range of the (allocated) full buffer."""
+        for slot, p in zip(self.slots, self.params, strict=True):
+            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def alloc(self) -> None:
+        if not self.gathered:
+            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+            self.install_views()
+            self.gathered = True
+
+    def gather_from(self, shard: torch.Tensor, async_op: bool = False):
+        """Allocate the full buffer and all-gather every rank's shard into it; returns a work handle if async."""
+        self.alloc()
+        with torch.no_grad():
+            return self.comm.all_gather(self.full, shard, f"parameters of {self.name}", async_op=async_op)
+
+    def release(self) -> None:
+        """Free the full buffer's memory; parameters become empty tensors until the next gather."""
+        if not self.gathered:
+            return
+        for p in self.params:
+            p.data = self._empty
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def flat_grad(self) -> torch.Tensor | None:
+        """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none)."""
+        if not any(p.grad is not None for p in self.params):
+            return None
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.full.device)
+        for slot, p in zip(self.slots, self.params, strict=True):
+            if p.grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        return flat
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a full flat buffer (any dtype) into tensors keyed by parameter fqn."""
+        return {s.fqn: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}

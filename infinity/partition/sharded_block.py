@@ -1,0 +1,68 @@
+"""ShardedBlock: unshard (gather) and reshard (release) of one block's flat parameters.
+
+Shards come from a `ShardSource` (the engine's placement of shards on tiers), so this module moves
+no bytes between tiers itself; it only runs the collectives and manages the gathered memory.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from infinity.partition.flat_param import FlatParam
+
+
+class ShardSource(Protocol):
+    def acquire(self, flat: FlatParam) -> torch.Tensor:
+        """This rank's compute-dtype shard of `flat`, on the compute device."""
+
+    def release(self, flat: FlatParam) -> None:
+        """The shard returned by `acquire` is no longer needed on the device."""
+
+
+class ShardedBlock:
+    """One block: its module, its flat parameters, and whether they are gathered or being gathered."""
+
+    def __init__(self, index: int, name: str, module: nn.Module | None, flats: list[FlatParam]) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.flats = flats
+        self.numel = sum(f.padded_numel for f in flats)
+        self.trainable = [p for f in flats if f.requires_grad for p in f.params]
+        self._pending: list | None = None  # async all-gather work handles
+        self.grads_ready = 0
+
+    @property
+    def gathered(self) -> bool:
+        return all(f.gathered for f in self.flats) and self._pending is None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def start_gather(self, source: ShardSource) -> None:
+        """Issue the all-gathers without waiting (a prefetch)."""
+        if self._pending is not None or all(f.gathered for f in self.flats):
+            return
+        works = []
+        for flat in self.flats:
+            if not flat.gathered:
+                works.append((flat, flat.gather_from(source.acquire(flat), async_op=True)))
+        self._pending = works
+
+    def wait_gather(self, source: ShardSource) -> None:
+        """Block until the full weights are in place (gathering now if no prefetch was issued)."""
+        if self._pending is None:
+            self.start_gather(source)
+        for flat, work in self._pending or ():
+            if work is not None:
+                work.wait()
+            source.release(flat)
+        self._pending = None
+
+    def release(self) -> None:
+        for flat in self.flats:
+            flat.release()

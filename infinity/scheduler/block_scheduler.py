@@ -1,0 +1,191 @@
+"""BlockScheduler: module hooks that gather each block just in time, prefetch ahead, and release after.
+
+Forward: a block is gathered in its pre-hook (waiting for its prefetch if one was issued), and the
+next blocks of the recorded order are prefetched up to `prefetch_bucket_elems`, never past
+`max_live_elems` gathered. After its forward the block is released unless it runs again within
+`max_reuse_distance_elems`. Backward: a hook on the block's outputs re-gathers it before its
+backward; once all its gradients have accumulated they go to `on_block_grads` and the block is
+released. The root's and persistent parameters stay gathered through forward and backward.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from infinity.partition.sharded_block import ShardedBlock, ShardSource
+from infinity.scheduler.trace import ExecutionTrace
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class BlockScheduler:
+    """Owns the hooks on the model; the engine calls `finish_backward` after each backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[ShardedBlock],
+        root: ShardedBlock,
+        persistent: ShardedBlock,
+        source: ShardSource,
+        on_block_grads: Callable[[ShardedBlock], None],
+        prefetch_bucket_elems: int,
+        max_live_elems: int,
+        max_reuse_distance_elems: int,
+    ) -> None:
+        self.blocks = blocks
+        self.root = root
+        self.persistent = persistent
+        self.source = source
+        self.on_block_grads = on_block_grads
+        self.prefetch_bucket_elems = prefetch_bucket_elems
+        self.max_live_elems = max_live_elems
+        self.max_reuse_distance_elems = max_reuse_distance_elems
+        self.phase = Phase.IDLE
+        self.forward_trace = ExecutionTrace()
+        self.backward_trace = ExecutionTrace()
+        self.stall_s = 0.0
+        self._position: dict[int, int | None] = {}
+        self._handles = [
+            model.register_forward_pre_hook(self._root_pre_forward),
+            model.register_forward_hook(self._root_post_forward),
+        ]
+        for block in blocks:
+            self._handles.append(block.module.register_forward_pre_hook(self._pre_forward_hook(block)))
+            self._handles.append(block.module.register_forward_hook(self._post_forward_hook(block)))
+            for p in block.trainable:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(block)))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _live_elems(self) -> int:
+        return sum(b.numel for b in self.blocks if b.gathered or b.in_flight)
+
+    def _ensure_gathered(self, block: ShardedBlock) -> None:
+        if block.gathered:
+            return
+        start = time.perf_counter()
+        block.wait_gather(self.source)
+        self.stall_s += time.perf_counter() - start
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        budget = self.prefetch_bucket_elems
+        live = self._live_elems()
+        for index in upcoming:
+            block = self.blocks[index]
+            if block.gathered or block.in_flight:
+                continue
+            if block.numel > budget or live + block.numel > self.max_live_elems:
+                break
+            block.start_gather(self.source)
+            budget -= block.numel
+            live += block.numel
+
+    def release_all(self) -> None:
+        """Release every gathered block but the persistent one (end of a step or of inference)."""
+        for block in [*self.blocks, self.root]:
+            if block.in_flight:
+                block.wait_gather(self.source)
+            block.release()
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self.phase is Phase.BACKWARD:
+            return
+        self.phase = Phase.FORWARD
+        self.forward_trace.start_pass()
+        self._ensure_gathered(self.persistent)
+        self._ensure_gathered(self.root)
+
+    def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        if self.phase is not Phase.FORWARD:
+            return
+        self.forward_trace.end_pass()
+        self.phase = Phase.IDLE
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def _pre_forward_hook(self, block: ShardedBlock):
+        def hook(module: nn.Module, args) -> None:
+            if self.phase is Phase.BACKWARD:  # activation checkpointing recomputes inside backward
+                self._ensure_gathered(block)
+                return
+            position = self.forward_trace.visit(block.index)
+            self._position[block.index] = position
+            self._ensure_gathered(block)
+            if position is not None:
+                self._prefetch(self.forward_trace.upcoming(position))
+
+        return hook
+
+    def _post_forward_hook(self, block: ShardedBlock):
+        def hook(module: nn.Module, args, output):
+            if self.phase is Phase.BACKWARD:
+                return output
+            if torch.is_grad_enabled():
+                outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if outputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outputs, self._pre_backward_hook(block), mode="any"
+                    )
+            position = self._position.get(block.index)
+            if position is not None:
+                distance = self.forward_trace.next_use_distance(
+                    position, block.index, lambda i: self.blocks[i].numel
+                )
+                if distance is not None and distance <= self.max_reuse_distance_elems:
+                    return output
+            block.release()
+            return output
+
+        return hook
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _pre_backward_hook(self, block: ShardedBlock):
+        def hook(grad) -> None:
+            if self.phase is not Phase.BACKWARD:
+                self.phase = Phase.BACKWARD
+                self.backward_trace.start_pass()
+            position = self.backward_trace.visit(block.index)
+            self._ensure_gathered(block)
+            if position is not None:
+                self._prefetch(self.backward_trace.upcoming(position))
+
+        return hook
+
+    def _grad_hook(self, block: ShardedBlock):
+        def hook(param: torch.Tensor) -> None:
+            block.grads_ready += 1
+            if block.grads_ready == len(block.trainable):
+                block.grads_ready = 0
+                self.on_block_grads(block)
+                block.release()
+
+        return hook
+
+    def finish_backward(self) -> None:
+        """Hand over the gradients not yet reduced (root, persistent, unused parameters); release blocks."""
+        self.backward_trace.end_pass()
+        for block in [*self.blocks, self.root, self.persistent]:
+            if block.grads_ready or block in (self.root, self.persistent):
+                block.grads_ready = 0
+                self.on_block_grads(block)
+        self.release_all()
+        self.phase = Phase.IDLE
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
