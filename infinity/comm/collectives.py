@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-buffer collectives; older releases only have the *_tensor names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommError(RuntimeError):
     """A collective failed, typically because a peer rank died or timed out."""
@@ -40,7 +44,7 @@ class CommGroup:
             full.copy_(shard)
             return None
         try:
-            return dist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op)
+            return _all_gather_flat(full, shard, group=self.group, async_op=async_op)
         except Exception as exc:
             raise self._fail("all-gather", what, exc) from exc
 
@@ -50,7 +54,7 @@ class CommGroup:
             shard.copy_(full)
             return
         try:
-            dist.reduce_scatter_tensor(shard, full, group=self.group)
+            _reduce_scatter_flat(shard, full, group=self.group)
         except Exception as exc:
             raise self._fail("reduce-scatter", what, exc) from exc
         shard.div_(self.world_size)

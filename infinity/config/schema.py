@@ -144,9 +144,7 @@ def parse_section(cls: type, data: dict[str, Any], path: str = "") -> Any:
     missing = [
         f.name
         for f in dataclasses.fields(cls)
-        if f.name not in values
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ConfigError(f"'{path or 'config'}' is missing required key(s): {', '.join(missing)}")

@@ -65,8 +65,8 @@ class InfinityEngine:
             raise ConfigError(
                 f"'zero_optimization.stage' is {z.stage}; infinity implements ZeRO stage 3 only: set it to 3"
             )
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device(
-            "cpu"
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
         rank, world = init_distributed(self.device, z.comm_timeout_s)
         self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
@@ -163,8 +163,10 @@ class InfinityEngine:
 
     def _make_lr_scheduler(self, lr_scheduler: Any):
         if lr_scheduler is not None:
-            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else (
-                lr_scheduler
+            return (
+                lr_scheduler(self.optimizer)
+                if callable(lr_scheduler) and not hasattr(lr_scheduler, "step")
+                else (lr_scheduler)
             )
         if self.config.scheduler is not None:
             return build_schedule(self.config.scheduler.type, self.optimizer, self.config.scheduler.params)

@@ -136,14 +136,10 @@ class BlockScheduler:
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        outputs, self._pre_backward_hook(block), mode="any"
-                    )
+                    torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward_hook(block), mode="any")
             position = self._position.get(block.index)
             if position is not None:
-                distance = self.forward_trace.next_use_distance(
-                    position, block.index, lambda i: self.blocks[i].numel
-                )
+                distance = self.forward_trace.next_use_distance(position, block.index, lambda i: self.blocks[i].numel)
                 if distance is not None and distance <= self.max_reuse_distance_elems:
                     return output
             block.release()
