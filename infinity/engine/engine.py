@@ -237,6 +237,19 @@ class InfinityEngine:
             self.lr_scheduler.step()
         self.global_steps += 1
 
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved between tiers so far, per "from->to" pair."""
+        moved = dict(self.placement.bytes_moved)
+        if self.optimizer.grad_bytes_to_host:
+            moved["device->host"] = self.optimizer.grad_bytes_to_host
+        return moved
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds compute waited for a block's weights to arrive."""
+        return self.scheduler.stall_s
+
     def train(self, mode: bool = True) -> InfinityEngine:
         self.module.train(mode)
         return self

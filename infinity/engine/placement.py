@@ -21,6 +21,7 @@ class ShardPlacement:
         self.pin_memory = pin_memory and device.type == "cuda"
         self._home: dict[FlatParam, torch.Tensor] = {}
         self._on_device: dict[FlatParam, torch.Tensor] = {}
+        self.bytes_moved: dict[str, int] = {}  # "from->to" tier pair -> bytes
 
     def put(self, flat: FlatParam, shard: torch.Tensor) -> None:
         """Store `shard` (compute dtype) as `flat`'s shard on its home tier."""
@@ -40,6 +41,8 @@ class ShardPlacement:
         if self.home_tier == "device":
             return home
         shard = home.to(self.device, non_blocking=True, copy=True)
+        pair = f"{self.home_tier}->device"
+        self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + shard.numel() * shard.element_size()
         self._on_device[flat] = shard
         return shard
 

@@ -60,12 +60,15 @@ class ShardedAdam(torch.optim.Optimizer):
         self._flat_groups = [i for i, ps in enumerate(grouped) if ps]
         super().__init__(param_groups, defaults={})
         self._torch_opt: torch.optim.Optimizer | None = None
+        self.grad_bytes_to_host = 0
 
     # -- gradients -----------------------------------------------------------------------------
 
     def accumulate_grad(self, flat: FlatParam, shard_grad: torch.Tensor) -> None:
         """Add one micro-batch's reduced gradient shard (fp32, any device) into the accumulator."""
         state = self.shard_states[flat]
+        if self.offloaded:
+            self.grad_bytes_to_host += shard_grad.numel() * shard_grad.element_size()
         if state.has_grad:
             state.grad.add_(shard_grad.to(state.grad.device, non_blocking=True))
         else:
