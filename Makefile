@@ -23,7 +23,7 @@ train: $(STAMP)
 	$(VENV)/bin/infinity train
 
 test: $(STAMP)
-	$(PY) -m ruff check infinity tools tests
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
