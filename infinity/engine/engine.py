@@ -264,6 +264,19 @@ class InfinityEngine:
     def skipped_steps(self) -> int:
         return self.loss_scaler.skipped_steps
 
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Write a sharded checkpoint (every rank calls this); returns its folder."""
+        from infinity.engine.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self, save_dir, tag, client_state or {}))
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        """Restore a checkpoint written by `save_checkpoint`; returns (its folder, the client state)."""
+        from infinity.engine.checkpoint import load_checkpoint
+
+        folder, client_state = load_checkpoint(self, load_dir, tag)
+        return str(folder), client_state
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from infinity.engine.gathered import full_state_dict
 

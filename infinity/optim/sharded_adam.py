@@ -144,7 +144,7 @@ class ShardedAdam(torch.optim.Optimizer):
             cls = torch.optim.AdamW if self.adamw_mode else torch.optim.Adam
             self._torch_opt = cls([dict(g) for g in self.param_groups], fused=True)
             for s in self.shard_states.values():  # torch steps our moment buffers in place
-                step = torch.zeros((), dtype=torch.float32, device=s.master.device)
+                step = torch.full((), float(s.step), dtype=torch.float32, device=s.master.device)
                 self._torch_opt.state[s.master] = {"step": step, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
         for mine, theirs in zip(self.param_groups, self._torch_opt.param_groups, strict=True):
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -155,6 +155,12 @@ class ShardedAdam(torch.optim.Optimizer):
             s.master.grad = None
             if s.param_shard.data_ptr() != s.master.data_ptr():
                 s.param_shard.copy_(s.master)
+
+    def sync_step_counts(self) -> None:
+        """After restoring `ShardState.step`, make torch's per-tensor step counts agree with it."""
+        if self._torch_opt is not None:
+            for s in self.shard_states.values():
+                self._torch_opt.state[s.master]["step"].fill_(s.step)
 
     @staticmethod
     def clip_coefficient(norm: float, max_norm: float) -> float:
