@@ -60,6 +60,7 @@ def ds_config(
     dtype: str = "fp32",
     clip: float = 1.0,
     extra_zero: dict | None = None,
+    nvme_path: str | None = None,
 ) -> dict:
     block_classes = ["MLPLayer"] if kind == "mlp" else ["Block"]
     cfg = {
@@ -71,8 +72,8 @@ def ds_config(
             "stage": 3,
             "block_classes": block_classes,
             "stage3_param_persistence_threshold": 64,
-            "offload_param": {"device": offload_param},
-            "offload_optimizer": {"device": offload_optimizer},
+            "offload_param": {"device": offload_param, "nvme_path": nvme_path},
+            "offload_optimizer": {"device": offload_optimizer, "nvme_path": nvme_path},
             **(extra_zero or {}),
         },
     }
@@ -102,7 +103,9 @@ def train_infinity(kind: str, config: dict, steps: int, micro_bs: int, seed: int
             engine.step()
             step_loss += loss.item() / engine.gradient_accumulation_steps
         losses.append(step_loss)
-    return {"losses": losses, "state": engine.full_state_dict(), "skipped": engine.skipped_steps}
+    result = {"losses": losses, "state": engine.full_state_dict(), "skipped": engine.skipped_steps}
+    engine.close()
+    return result
 
 
 def reference_run(kind: str, steps: int, global_bs: int, grad_accum: int, clip: float, dtype: torch.dtype, seed=0):

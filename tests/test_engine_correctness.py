@@ -68,6 +68,29 @@ def test_gpt_matches_plain_pytorch(world, offload_param, offload_optimizer, dtyp
     _check("gpt", world, results, grad_accum, 1.0, dtype)
 
 
+NVME_MATRIX = [
+    (world, param, optim, dtype)
+    for world in (1, 2)
+    for param, optim in (("nvme", "nvme"), ("nvme", "cpu"), ("cpu", "nvme"), ("none", "nvme"))
+    for dtype in ("fp32", "bf16")
+]
+
+
+@pytest.mark.parametrize("world,offload_param,offload_optimizer,dtype", NVME_MATRIX)
+def test_gpt_with_nvme_matches_plain_pytorch(tmp_path, world, offload_param, offload_optimizer, dtype):
+    cfg = ds_config(
+        micro_bs=MICRO_BS,
+        grad_accum=2,
+        offload_param=offload_param,
+        offload_optimizer=offload_optimizer,
+        dtype=dtype,
+        nvme_path=str(tmp_path),
+    )
+    results = run_distributed(train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    _check("gpt", world, results, 2, 1.0, dtype)
+    assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
+
+
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_mlp_matches_plain_pytorch(world, offload):

@@ -17,9 +17,11 @@ from infinity.engine.placement import ShardPlacement
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.lr_schedules import build_schedule
 from infinity.optim.sharded_adam import ShardedAdam
+from infinity.optim.streamed_adam import StreamedAdam
 from infinity.partition import FlatParam, plan_blocks
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.scheduler import BlockScheduler
+from infinity.storage import TierBudgets, TierStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TIERS = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -82,13 +84,10 @@ class InfinityEngine:
 
         param_tier = _TIERS[z.offload_param.device]
         optim_tier = _TIERS[z.offload_optimizer.device]
-        if "nvme" in (param_tier, optim_tier):
-            raise ConfigError("NVMe offload is not available yet in this version of the engine; use 'cpu' or 'none'")
         for buf_module in model.modules():
             for key, buf in buf_module._buffers.items():
                 if buf is not None:
                     buf_module._buffers[key] = buf.to(self.device)
-        self.placement = ShardPlacement(param_tier, self.device, z.offload_param.pin_memory)
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
 
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
@@ -101,6 +100,15 @@ class InfinityEngine:
             -2, "<persistent>", None, self._make_flats("<persistent>", plan.persistent, groups.group_of, True)
         )
         self.flats = [f for b in (*self.blocks, self.root, self.persistent) for f in b.flats]
+        self.store = TierStore.from_config(
+            z.offload_param,
+            z.offload_optimizer,
+            cfg.aio,
+            self._budgets(param_tier, optim_tier),
+            rank=rank,
+            device=self.device,
+        )
+        self.placement = ShardPlacement(self.store, param_tier)
 
         shards = []
         optim_device = self.device if optim_tier == "device" else torch.device("cpu")
@@ -111,7 +119,7 @@ class InfinityEngine:
             self.placement.put(flat, full32[start:end].to(self.compute_dtype))
             if flat.requires_grad:
                 home = self.placement.home(flat)
-                if home.dtype == torch.float32 and home.device == optim_device:
+                if home is not None and home.dtype == torch.float32 and home.device == optim_device:
                     master = home  # fp32 with weights and optimizer on one tier: one copy serves both
                 else:
                     master = full32[start:end].to(optim_device, copy=True)
@@ -123,7 +131,14 @@ class InfinityEngine:
                 flat.release()
             del full32
 
-        self.optimizer = ShardedAdam(shards, groups.groups, groups.adamw_mode, offloaded=optim_tier != "device")
+        if optim_tier == "nvme":
+            self.optimizer: ShardedAdam = StreamedAdam(
+                shards, groups.groups, groups.adamw_mode, self.placement, self.store, z.offload_optimizer.buffer_count
+            )
+        else:
+            self.optimizer = ShardedAdam(
+                shards, groups.groups, groups.adamw_mode, optim_tier != "device", self.placement
+            )
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
         self.scheduler = BlockScheduler(
             model,
@@ -139,6 +154,22 @@ class InfinityEngine:
         model._infinity_engine = self
 
     # -- construction helpers ------------------------------------------------------------------
+
+    def _budgets(self, param_tier: str, optim_tier: str) -> TierBudgets:
+        """Byte budgets per tier: host memory is bounded whenever no shard's home is host memory."""
+        z = self.config.zero_optimization
+        host = z.host_budget_bytes
+        if host is None and "host" not in (param_tier, optim_tier) and "nvme" in (param_tier, optim_tier):
+            largest = max((f.shard_numel for f in self.flats), default=0)
+            host = 0
+            if param_tier == "nvme":
+                elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
+                host += min(elems, z.offload_param.max_in_cpu or elems) * self.compute_dtype.itemsize
+                host = max(host, 4 * largest * self.compute_dtype.itemsize)
+            if optim_tier == "nvme":  # master, two moments and the gradient, per shard in the window
+                window = max(2, z.offload_optimizer.buffer_count)
+                host += (window + 1) * 4 * largest * 4 + largest * 4
+        return TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host)
 
     def _make_flats(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
         by_group: dict[int | None, list] = {}
@@ -186,7 +217,7 @@ class InfinityEngine:
                 full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=self.device)
             shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device)
             self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
-            self.optimizer.accumulate_grad(flat, shard)
+            self.optimizer.accumulate_grad(flat, shard, final=self.is_gradient_accumulation_boundary())
             flat.clear_grads()
 
     # -- the training API ----------------------------------------------------------------------
@@ -249,6 +280,14 @@ class InfinityEngine:
     def stall_s(self) -> float:
         """Seconds compute waited for a block's weights to arrive."""
         return self.scheduler.stall_s
+
+    def close(self) -> None:
+        """Release the engine's storage (the NVMe swap files are removed); call once training is done."""
+        self.optimizer.finish_param_writes()
+        self.scheduler.remove_hooks()
+        self.store.close()
+
+    destroy = close  # DeepSpeed's name
 
     def train(self, mode: bool = True) -> InfinityEngine:
         self.module.train(mode)

@@ -16,11 +16,10 @@ if TYPE_CHECKING:
 
 def _gather_full(engine: InfinityEngine, flat: FlatParam, fp32: bool) -> torch.Tensor:
     """The whole flat buffer on every rank: fp32 masters if trainable and `fp32`, else the compute shards."""
-    state = engine.optimizer.shard_states.get(flat)
-    if fp32 and state is not None:
-        shard = state.master.to(engine.device, dtype=torch.float32)
+    if fp32 and flat in engine.optimizer.shard_states:
+        shard = engine.optimizer.read_state(flat)["master"].to(engine.device)
     else:
-        shard = engine.placement.home(flat).to(engine.device)
+        shard = engine.placement.read(flat).to(engine.device)
         if fp32:
             shard = shard.float()
     full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=engine.device)
@@ -65,7 +64,7 @@ class GatheredParameters:
             engine = flat.params[0]._infinity_owner
             self._was_gathered.append(flat.gathered)
             if not flat.gathered:
-                flat.gather_from(engine.placement.home(flat).to(engine.device))
+                flat.gather_from(engine.placement.read(flat).to(engine.device))
 
     @torch.no_grad()
     def __exit__(self, *exc) -> None:
@@ -74,9 +73,11 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc[0] is None:
                 engine.comm.broadcast(flat.full, self.modifier_rank, f"modified weights of {flat.name}")
                 start, end = flat.shard_range
-                engine.placement.home(flat).copy_(flat.full[start:end])
-                state = engine.optimizer.shard_states.get(flat)
-                if state is not None and state.master.data_ptr() != engine.placement.home(flat).data_ptr():
-                    state.master.copy_(flat.full[start:end])
+                new_shard = flat.full[start:end]
+                engine.placement.assign(flat, new_shard)
+                if flat in engine.optimizer.shard_states:
+                    values = engine.optimizer.read_state(flat)
+                    values["master"] = new_shard.float().cpu()
+                    engine.optimizer.load_state(flat, values)
             if not was_gathered:
                 flat.release()

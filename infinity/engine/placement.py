@@ -1,50 +1,95 @@
 """Where each FlatParam's compute-dtype shard lives between uses, and bringing it to the device.
 
 `ShardPlacement` is the engine's single point of contact with the storage layer for parameter
-shards: the home tier comes from `offload_param.device` (none -> device, cpu -> host), and moving
-a shard there and back is the storage layer's job.
+shards: each shard is a key in the `TierStore` whose home tier comes from `offload_param.device`
+(none -> device, cpu -> host, nvme -> nvme). A gather fetches the shard to the device and releases
+it after the all-gather; the copies above the home are evicted then, so nothing stale survives an
+optimizer step and device memory holds only the blocks in use or prefetched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from infinity.partition.flat_param import FlatParam
+from infinity.storage import MoveHandle, TierStore
+
+
+def param_key(flat: FlatParam) -> tuple[str, str]:
+    return ("param", flat.name)
 
 
 class ShardPlacement:
     """Keeps every FlatParam's shard on its home tier; `acquire` returns it on the compute device."""
 
-    def __init__(self, home_tier: str, device: torch.device, pin_memory: bool) -> None:
+    def __init__(self, store: TierStore, home_tier: str) -> None:
+        self.store = store
         self.home_tier = home_tier
-        self.device = device
-        self.pin_memory = pin_memory and device.type == "cuda"
         self._home: dict[FlatParam, torch.Tensor] = {}
-        self._on_device: dict[FlatParam, torch.Tensor] = {}
         self.bytes_moved: dict[str, int] = {}  # "from->to" tier pair -> bytes
 
     def put(self, flat: FlatParam, shard: torch.Tensor) -> None:
         """Store `shard` (compute dtype) as `flat`'s shard on its home tier."""
-        if self.home_tier == "device":
-            home = shard.to(self.device, copy=True)
-        else:
-            home = torch.empty(shard.numel(), dtype=shard.dtype, pin_memory=self.pin_memory)
-            home.copy_(shard)
-        self._home[flat] = home
+        key = param_key(flat)
+        self.store.put(key, shard, self.home_tier).wait()
+        if self.home_tier != "nvme":  # home copies in memory are permanent: keep a handle on them
+            self._home[flat] = self.store.fetch(key, self.home_tier).wait()
+            self.store.release(key, self.home_tier)
 
-    def home(self, flat: FlatParam) -> torch.Tensor:
-        """The shard where it lives; the optimizer writes new weights into it in place."""
-        return self._home[flat]
+    def home(self, flat: FlatParam) -> torch.Tensor | None:
+        """The shard where it lives when that is memory (the optimizer updates it in place), else None."""
+        return self._home.get(flat)
+
+    def updated_in_place(self, flat: FlatParam) -> None:
+        """The home copy was rewritten in place: drop any cached copy above it."""
+        self.store.evict(param_key(flat))
+
+    def write(self, flat: FlatParam, shard: torch.Tensor) -> MoveHandle:
+        """New contents for the shard, sent to its home asynchronously; keep `shard` until the handle is done."""
+        return self.store.write(param_key(flat), shard)
+
+    def assign(self, flat: FlatParam, shard: torch.Tensor) -> None:
+        """Replace the shard's contents now (checkpoint loads, GatheredParameters write-back)."""
+        home = self._home.get(flat)
+        if home is None:
+            self.write(flat, shard.to("cpu", dtype=self._dtype(flat)).contiguous()).wait()
+        else:
+            with torch.no_grad():
+                home.copy_(shard)
+            self.updated_in_place(flat)
+
+    @staticmethod
+    def _dtype(flat: FlatParam) -> torch.dtype:
+        return flat.full.dtype
+
+    def read(self, flat: FlatParam) -> torch.Tensor:
+        """A host copy of the shard, wherever it lives (for checkpoints and full state dicts)."""
+        home = self._home.get(flat)
+        if home is not None:
+            return home.cpu().clone() if home.device.type != "cpu" else home.clone()
+        key = param_key(flat)
+        try:
+            return self.store.fetch(key, "host").wait().clone()
+        finally:
+            self.store.release(key, "host")
 
     def acquire(self, flat: FlatParam) -> torch.Tensor:
-        home = self._home[flat]
-        if self.home_tier == "device":
-            return home
-        shard = home.to(self.device, non_blocking=True, copy=True)
-        pair = f"{self.home_tier}->device"
-        self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + shard.numel() * shard.element_size()
-        self._on_device[flat] = shard
+        key = param_key(flat)
+        shard = self.store.fetch(key, "device").wait()
+        if self.home_tier != "device":
+            pair = "host->device" if self.home_tier == "host" else "nvme->device"
+            self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + shard.numel() * shard.element_size()
         return shard
 
     def release(self, flat: FlatParam) -> None:
-        self._on_device.pop(flat, None)
+        key = param_key(flat)
+        self.store.release(key, "device")
+        if self.home_tier != "device":
+            self.store.evict(key)
+
+    def prefetch_to_host(self, flats: Iterable[FlatParam]) -> None:
+        """Start reading NVMe-resident shards into host memory, in order, as far as the host budget allows."""
+        if self.home_tier == "nvme":
+            self.store.prefetch([param_key(f) for f in flats], "host")

@@ -4,18 +4,31 @@ With the optimizer offloaded (`offload_optimizer.device` cpu) masters, moments a
 in host memory and each shard is stepped by the native CPU Adam in one pass, which also writes the
 new compute-dtype weights into the parameter shard (the fused copy-out). Otherwise they live on the
 compute device and torch's fused AdamW steps them. It is a `torch.optim.Optimizer` over the master
-shards, so LR schedulers drive it through `param_groups` as usual.
+shards, so LR schedulers drive it through `param_groups` as usual. Where the parameter shards live
+on NVMe, the new weights go to a small staging buffer and are written there asynchronously.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from infinity.partition.flat_param import FlatParam
+
+# Parameter shards written to NVMe after a step, at most this many in flight (each holds its buffer).
+MAX_PARAM_WRITES_IN_FLIGHT = 4
+
+
+class ParamSink(Protocol):
+    """Where new compute-dtype weights go: the engine's placement of parameter shards."""
+
+    def updated_in_place(self, flat: FlatParam) -> None: ...
+
+    def write(self, flat: FlatParam, shard: torch.Tensor): ...
 
 
 @dataclass
@@ -26,7 +39,7 @@ class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor  # fp32 gradient accumulator for this shard
-    param_shard: torch.Tensor  # compute-dtype shard where the parameters live
+    param_shard: torch.Tensor | None  # compute-dtype shard where the parameters live; None if not in memory
     step: int = 0
     has_grad: bool = False
 
@@ -36,14 +49,17 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def __init__(
         self,
-        shards: list[tuple[FlatParam, torch.Tensor, torch.Tensor]],
+        shards: list[tuple[FlatParam, torch.Tensor, torch.Tensor | None]],
         groups: list[dict[str, Any]],
         adamw_mode: bool,
         offloaded: bool,
+        param_sink: ParamSink,
     ) -> None:
-        """`shards` holds (flat, fp32 master shard, compute-dtype parameter shard) for each trainable flat."""
+        """`shards` holds (flat, fp32 master shard, compute-dtype parameter shard or None) per trainable flat."""
         self.adamw_mode = adamw_mode
         self.offloaded = offloaded
+        self.param_sink = param_sink
+        self._param_writes: deque = deque()
         self.shard_states: dict[FlatParam, ShardState] = {}
         grouped: list[list[torch.Tensor]] = [[] for _ in groups]
         for flat, master, param_shard in shards:
@@ -64,8 +80,9 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def accumulate_grad(self, flat: FlatParam, shard_grad: torch.Tensor) -> None:
-        """Add one micro-batch's reduced gradient shard (fp32, any device) into the accumulator."""
+    def accumulate_grad(self, flat: FlatParam, shard_grad: torch.Tensor, final: bool = True) -> None:
+        """Add one micro-batch's reduced gradient shard (fp32, any device) into the accumulator;
+        `final` marks the last micro-batch before a step."""
         state = self.shard_states[flat]
         if self.offloaded:
             self.grad_bytes_to_host += shard_grad.numel() * shard_grad.element_size()
@@ -103,31 +120,57 @@ class ShardedAdam(torch.optim.Optimizer):
             self._step_torch(grad_scale)
 
     def _step_native(self, grad_scale: float) -> None:
+        for flat, s in self.shard_states.items():
+            if s.has_grad:
+                s.step += 1
+                self._adam_native(flat, s.step, s.master, s.grad, s.exp_avg, s.exp_avg_sq, s.param_shard, grad_scale)
+        self.finish_param_writes()
+
+    def _adam_native(self, flat, step, master, grad, exp_avg, exp_avg_sq, param_shard, grad_scale: float) -> None:
+        """One native Adam pass over a shard, then its new compute-dtype weights to where they live."""
         from infinity.optim.cpu_adam import adam_step_flat
 
-        for flat, s in self.shard_states.items():
-            if not s.has_grad:
-                continue
-            group = self._group_of(flat)
-            s.step += 1
-            fused_copy = s.param_shard.dtype in (torch.bfloat16, torch.float16) and s.param_shard.device.type == "cpu"
-            adam_step_flat(
-                s.master,
-                s.grad,
-                s.exp_avg,
-                s.exp_avg_sq,
-                step=s.step,
-                lr=group["lr"],
-                beta1=group["betas"][0],
-                beta2=group["betas"][1],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adamw_mode=self.adamw_mode,
-                out_copy=s.param_shard if fused_copy else None,
-                grad_scale=grad_scale,
-            )
-            if not fused_copy and s.param_shard.data_ptr() != s.master.data_ptr():
-                s.param_shard.copy_(s.master, non_blocking=True)
+        group = self._group_of(flat)
+        staging = None
+        if param_shard is None and master.dtype != flat.full.dtype:
+            staging = torch.empty(master.numel(), dtype=flat.full.dtype)
+        fused_target = param_shard if param_shard is not None else staging
+        fused = fused_target is not None and fused_target.dtype in (torch.bfloat16, torch.float16)
+        fused = fused and fused_target.device.type == "cpu"
+        adam_step_flat(
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=group["lr"],
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw_mode=self.adamw_mode,
+            out_copy=fused_target if fused else None,
+            grad_scale=grad_scale,
+        )
+        self._publish_params(flat, master, param_shard, staging, fused)
+
+    def _publish_params(self, flat, master, param_shard, staging, fused: bool) -> None:
+        if param_shard is not None:
+            if not fused and param_shard.data_ptr() != master.data_ptr():
+                param_shard.copy_(master, non_blocking=True)
+            self.param_sink.updated_in_place(flat)
+            return
+        source = staging if staging is not None else master.clone()
+        if not fused and staging is not None:
+            staging.copy_(master)
+        self._param_writes.append((self.param_sink.write(flat, source), source))
+        while len(self._param_writes) > MAX_PARAM_WRITES_IN_FLIGHT:
+            self._param_writes.popleft()[0].wait()
+
+    def finish_param_writes(self) -> None:
+        """Wait for the parameter shards still being written to NVMe."""
+        while self._param_writes:
+            self._param_writes.popleft()[0].wait()
 
     def _step_torch(self, grad_scale: float) -> None:
         for group in self.param_groups:
@@ -150,11 +193,29 @@ class ShardedAdam(torch.optim.Optimizer):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 theirs[key] = mine[key]
         self._torch_opt.step()
-        for _, s in active:
+        for flat, s in active:
             s.step += 1
             s.master.grad = None
-            if s.param_shard.data_ptr() != s.master.data_ptr():
-                s.param_shard.copy_(s.master)
+            self._publish_params(flat, s.master, s.param_shard, None, fused=False)
+        self.finish_param_writes()
+
+    def read_state(self, flat: FlatParam) -> dict[str, torch.Tensor]:
+        """Host copies of one shard's fp32 master and moments, wherever they live."""
+        s = self.shard_states[flat]
+        return {
+            "master": s.master.cpu().clone(),
+            "exp_avg": s.exp_avg.cpu().clone(),
+            "exp_avg_sq": s.exp_avg_sq.cpu().clone(),
+        }
+
+    def load_state(self, flat: FlatParam, values: dict[str, torch.Tensor]) -> None:
+        """Overwrite one shard's master and moments (e.g. from a checkpoint)."""
+        s = self.shard_states[flat]
+        with torch.no_grad():
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(s, name).copy_(values[name])
+        if s.param_shard is not None and s.param_shard.data_ptr() == s.master.data_ptr():
+            self.param_sink.updated_in_place(flat)
 
     def sync_step_counts(self) -> None:
         """After restoring `ShardState.step`, make torch's per-tensor step counts agree with it."""

@@ -1,0 +1,142 @@
+"""StreamedAdam: Adam whose fp32 masters, moments and gradients live on NVMe, stepped block by block.
+
+The step streams each shard's state through host memory: reads for the next shards are issued
+while the current one is stepped by the native Adam (read ahead), and its new state is written
+back without waiting (write behind). Host memory holds at most `window` shards' state at a time
+(plus what the store's host budget allows for read-ahead), however large the model. Gradients are
+accumulated into each shard's own gradient slot on NVMe, so they are never all in memory at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from infinity.optim.sharded_adam import ParamSink, ShardedAdam
+from infinity.partition.flat_param import FlatParam
+from infinity.storage import MoveHandle, TierStore
+
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def state_key(name: str, flat: FlatParam) -> tuple[str, str]:
+    return (name, flat.name)
+
+
+class StreamedAdam(ShardedAdam):
+    """ShardedAdam over NVMe-resident state; `ShardState` tensors are placeholders (empty)."""
+
+    def __init__(
+        self,
+        shards: list[tuple[FlatParam, torch.Tensor, torch.Tensor | None]],
+        groups: list[dict[str, Any]],
+        adamw_mode: bool,
+        param_sink: ParamSink,
+        store: TierStore,
+        window: int,
+    ) -> None:
+        self.store = store
+        self.window = max(2, window)
+        slim = []
+        for flat, master, param_shard in shards:
+            for name in STATE_NAMES:
+                value = master if name == "master" else torch.zeros_like(master)
+                store.put(state_key(name, flat), value, "nvme").wait()
+            store.put(state_key("grad", flat), torch.zeros_like(master), "nvme").wait()
+            slim.append((flat, torch.empty(0), param_shard))  # distinct: torch dedups params
+        super().__init__(slim, groups, adamw_mode, offloaded=True, param_sink=param_sink)
+        self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
+        self._norm_sq: dict[FlatParam, float] = {}
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def accumulate_grad(self, flat: FlatParam, shard_grad: torch.Tensor, final: bool = True) -> None:
+        state = self.shard_states[flat]
+        key = state_key("grad", flat)
+        grad = shard_grad.to("cpu", dtype=torch.float32)
+        self.grad_bytes_to_host += grad.numel() * grad.element_size()
+        if state.has_grad:
+            held = self.store.fetch(key, "host").wait()
+            try:
+                held.add_(grad)
+                self.store.write(key, held).wait()
+                grad = held
+                if final:
+                    self._norm_sq[flat] = float(torch.linalg.vector_norm(held, dtype=torch.float64) ** 2)
+            finally:
+                self.store.release(key, "host")
+        else:
+            if final:
+                self._norm_sq[flat] = float(torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2)
+            self._grad_writes.append((self.store.write(key, grad), grad))
+            while len(self._grad_writes) > self.window:
+                self._grad_writes.popleft()[0].wait()
+            state.has_grad = True
+
+    def _finish_grad_writes(self) -> None:
+        while self._grad_writes:
+            self._grad_writes.popleft()[0].wait()
+
+    def local_grad_norm_sq(self) -> torch.Tensor:
+        self._finish_grad_writes()
+        return torch.tensor(
+            sum(self._norm_sq.get(f, 0.0) for f, s in self.shard_states.items() if s.has_grad), dtype=torch.float64
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._norm_sq.clear()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _keys(self, flat: FlatParam) -> list[tuple[str, str]]:
+        return [state_key(n, flat) for n in (*STATE_NAMES, "grad")]
+
+    def _step_native(self, grad_scale: float) -> None:
+        self._finish_grad_writes()
+        todo = [(f, s) for f, s in self.shard_states.items() if s.has_grad]
+        in_flight: deque[tuple[FlatParam, list]] = deque()
+        for i, (flat, s) in enumerate(todo):
+            # read ahead: the next shards' state comes in while this one is stepped
+            self.store.prefetch([k for f, _ in todo[i : i + self.window] for k in self._keys(f)], "host")
+            master, exp_avg, exp_avg_sq, grad = (self.store.fetch(k, "host").wait() for k in self._keys(flat))
+            s.step += 1
+            self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
+            writes = [
+                self.store.write(state_key(n, flat), t)
+                for n, t in zip(STATE_NAMES, (master, exp_avg, exp_avg_sq), strict=True)
+            ]
+            in_flight.append((flat, writes))  # write behind: waited for only when the window is full
+            while len(in_flight) >= self.window:
+                self._retire(*in_flight.popleft())
+        while in_flight:
+            self._retire(*in_flight.popleft())
+        self.finish_param_writes()
+
+    def _retire(self, flat: FlatParam, writes: list[MoveHandle]) -> None:
+        for handle in writes:
+            handle.wait()
+        for key in self._keys(flat):
+            self.store.release(key, "host")
+            self.store.evict(key)
+
+    def _step_torch(self, grad_scale: float) -> None:  # pragma: no cover - NVMe state is always stepped natively
+        raise RuntimeError("StreamedAdam steps natively on the host")
+
+    # -- state access --------------------------------------------------------------------------
+
+    def read_state(self, flat: FlatParam) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in STATE_NAMES:
+            key = state_key(name, flat)
+            try:
+                out[name] = self.store.fetch(key, "host").wait().clone()
+            finally:
+                self.store.release(key, "host")
+        return out
+
+    def load_state(self, flat: FlatParam, values: dict[str, torch.Tensor]) -> None:
+        for name in STATE_NAMES:
+            self.store.write(state_key(name, flat), values[name].to(torch.float32).contiguous()).wait()
