@@ -1,6 +1,7 @@
 """One typed config, loaded from DeepSpeed-style JSON and validated with errors that name the key."""
 
-from infinity.config.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.config.auto import AutoValues, resolve_auto, unresolved_auto_keys
+from infinity.config.config import InfinityConfig, load_config, resolve_batch_sizes
 from infinity.config.schema import AUTO, ConfigError
 from infinity.config.sections import (
     AioConfig,
@@ -17,6 +18,7 @@ from infinity.config.sections import (
 __all__ = [
     "AUTO",
     "AioConfig",
+    "AutoValues",
     "BF16Config",
     "ConfigError",
     "FP16Config",
@@ -30,4 +32,5 @@ __all__ = [
     "load_config",
     "resolve_auto",
     "resolve_batch_sizes",
+    "unresolved_auto_keys",
 ]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infinity.config.params import filled, optimizer_params, scheduler_params
 from infinity.config.schema import AUTO, ConfigError, option, parse_section, to_dict
 from infinity.config.sections import (
     AioConfig,
@@ -46,15 +47,24 @@ class InfinityConfig:
     seed: int = option(1234)
 
     def __post_init__(self) -> None:
-        if self.fp16.enabled and self.bf16.enabled:
+        if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
 
     @property
     def compute_dtype_name(self) -> str:
+        for key, value in (("bf16.enabled", self.bf16.enabled), ("fp16.enabled", self.fp16.enabled)):
+            if value == AUTO:
+                raise ConfigError(f"'{key}' is still \"auto\"; resolve it first (resolve_auto) or set true/false")
         return "bfloat16" if self.bf16.enabled else "float16" if self.fp16.enabled else "float32"
 
     def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+        """The config as JSON-able data, every default filled in (optimizer and scheduler params too)."""
+        out = to_dict(self)
+        if self.optimizer is not None:
+            out["optimizer"]["params"] = filled(optimizer_params(self.optimizer.type, self.optimizer.params))
+        if self.scheduler is not None:
+            out["scheduler"]["params"] = filled(scheduler_params(self.scheduler.type, self.scheduler.params))
+        return out
 
 
 def _read(source: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
@@ -118,23 +128,3 @@ def resolve_batch_sizes(cfg: InfinityConfig, world_size: int) -> InfinityConfig:
     return dataclasses.replace(
         cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas
     )
-
-
-def resolve_auto(cfg: InfinityConfig, hidden_size: int | None) -> InfinityConfig:
-    """Resolve "auto" stage-3 sizes from the model's hidden size, as Hugging Face's integration does."""
-    z = cfg.zero_optimization
-    updates: dict[str, Any] = {}
-    rules = {
-        "reduce_bucket_size": lambda h: h * h,
-        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-        "stage3_param_persistence_threshold": lambda h: 10 * h,
-    }
-    for name, rule in rules.items():
-        if getattr(z, name) == AUTO:
-            if hidden_size is None:
-                default = next(f.default for f in dataclasses.fields(z) if f.name == name)
-                updates[name] = default
-            else:
-                updates[name] = rule(hidden_size)
-    clip = 0.0 if cfg.gradient_clipping == AUTO else cfg.gradient_clipping
-    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(z, **updates), gradient_clipping=clip)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infinity.config.params import optimizer_params, scheduler_params
 from infinity.config.schema import ConfigError, option
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -86,13 +87,17 @@ class ZeroConfig:
     elastic_checkpoint: bool = option(False)
     ignore_unused_parameters: bool = option(True)
     comm_timeout_s: float = option(600.0, min_value=1.0, doc="a collective waiting longer aborts the run")
+    host_budget_bytes: int | None = option(
+        None, min_value=0, doc="host memory for shards and staging; default: derived from the offload buffers"
+    )
+    device_budget_bytes: int | None = option(None, min_value=0, doc="device memory for fetched shards; default: no cap")
 
 
 @dataclass(frozen=True)
 class FP16Config:
     """`fp16`: half-precision compute with dynamic (loss_scale 0) or static loss scaling."""
 
-    enabled: bool = option(False)
+    enabled: bool = option(False, allow_auto=True)
     auto_cast: bool = option(False)
     loss_scale: float = option(0.0, min_value=0.0)
     initial_scale_power: int = option(16, min_value=0, max_value=64)
@@ -106,7 +111,7 @@ class FP16Config:
 class BF16Config:
     """`bf16`: bfloat16 compute with fp32 master weights."""
 
-    enabled: bool = option(False)
+    enabled: bool = option(False, allow_auto=True)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,9 @@ class OptimizerConfig:
     type: str = option(choices=("Adam", "AdamW", "adam", "adamw"))
     params: dict[str, Any] = option(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        optimizer_params(self.type, self.params)  # raises ConfigError naming the bad key
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -123,6 +131,9 @@ class SchedulerConfig:
 
     type: str = option(choices=("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"))
     params: dict[str, Any] = option(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        scheduler_params(self.type, self.params)  # raises ConfigError naming the bad key
 
 
 @dataclass(frozen=True)
