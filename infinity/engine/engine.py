@@ -19,6 +19,8 @@ from infinity.optim.lr_schedules import build_schedule
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.optim.streamed_adam import StreamedAdam
 from infinity.partition import FlatParam, plan_blocks
+from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
+from infinity.partition.materialize import check_materializable, materialize_modules
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.scheduler import BlockScheduler
 from infinity.storage import TierBudgets, TierStore
@@ -42,11 +44,8 @@ def _check_model(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if getattr(p, "_infinity_flat", None) is not None:
             raise ValueError(f"parameter '{name}' is already sharded by another engine")
-        if p.is_meta:
-            raise ValueError(
-                f"parameter '{name}' is on the meta device and has no values; build the model under "
-                "infinity.Init(config=...) or materialize it (e.g. model.to_empty(device='cpu') then init) first"
-            )
+    if any(p.is_meta for p in model.parameters()):
+        check_materializable(model)
 
 
 class InfinityEngine:
@@ -91,54 +90,34 @@ class InfinityEngine:
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
 
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-        self.blocks = [
-            ShardedBlock(i, name, module, self._make_flats(name, uses, groups.group_of, persistent=False))
-            for i, (name, module, uses) in enumerate(plan.blocks)
-        ]
-        self.root = ShardedBlock(-1, "<root>", model, self._make_flats("<root>", plan.root, groups.group_of, False))
-        self.persistent = ShardedBlock(
-            -2, "<persistent>", None, self._make_flats("<persistent>", plan.persistent, groups.group_of, True)
-        )
-        self.flats = [f for b in (*self.blocks, self.root, self.persistent) for f in b.flats]
         self.store = TierStore.from_config(
             z.offload_param,
             z.offload_optimizer,
             cfg.aio,
-            self._budgets(param_tier, optim_tier),
+            self._budgets(param_tier, optim_tier, plan),
             rank=rank,
             device=self.device,
         )
         self.placement = ShardPlacement(self.store, param_tier)
-
-        shards = []
-        optim_device = self.device if optim_tier == "device" else torch.device("cpu")
-        for flat in self.flats:
-            full32 = flat.initial_full_fp32()
-            flat.install_views()  # from here on the parameters are views into the flat buffer
-            start, end = flat.shard_range
-            self.placement.put(flat, full32[start:end].to(self.compute_dtype))
-            if flat.requires_grad:
-                home = self.placement.home(flat)
-                if home is not None and home.dtype == torch.float32 and home.device == optim_device:
-                    master = home  # fp32 with weights and optimizer on one tier: one copy serves both
-                else:
-                    master = full32[start:end].to(optim_device, copy=True)
-                shards.append((flat, master, home))
-            if flat.persistent:
-                with torch.no_grad():
-                    flat.full.copy_(full32)
-            else:
-                flat.release()
-            del full32
-
         if optim_tier == "nvme":
             self.optimizer: ShardedAdam = StreamedAdam(
-                shards, groups.groups, groups.adamw_mode, self.placement, self.store, z.offload_optimizer.buffer_count
+                groups.groups, groups.adamw_mode, self.placement, self.store, z.offload_optimizer.buffer_count
             )
         else:
-            self.optimizer = ShardedAdam(
-                shards, groups.groups, groups.adamw_mode, optim_tier != "device", self.placement
-            )
+            self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, optim_tier != "device", self.placement)
+        self._optim_device = self.device if optim_tier == "device" else torch.device("cpu")
+
+        # Block by block: materialize (if built on meta), flatten, shard, store; never the whole model at once.
+        self.blocks = []
+        for i, (name, module, uses) in enumerate(plan.blocks):
+            materialize_modules(module.modules(), model, torch.device("cpu"))
+            self.blocks.append(ShardedBlock(i, name, module, self._shard(name, uses, groups.group_of, False)))
+        materialize_modules(model.modules(), model, torch.device("cpu"))
+        self.root = ShardedBlock(-1, "<root>", model, self._shard("<root>", plan.root, groups.group_of, False))
+        self.persistent = ShardedBlock(
+            -2, "<persistent>", None, self._shard("<persistent>", plan.persistent, groups.group_of, True)
+        )
+        self.flats = [f for b in (*self.blocks, self.root, self.persistent) for f in b.flats]
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
         self.scheduler = BlockScheduler(
             model,
@@ -155,12 +134,14 @@ class InfinityEngine:
 
     # -- construction helpers ------------------------------------------------------------------
 
-    def _budgets(self, param_tier: str, optim_tier: str) -> TierBudgets:
+    def _budgets(self, param_tier: str, optim_tier: str, plan) -> TierBudgets:
         """Byte budgets per tier: host memory is bounded whenever no shard's home is host memory."""
         z = self.config.zero_optimization
         host = z.host_budget_bytes
         if host is None and "host" not in (param_tier, optim_tier) and "nvme" in (param_tier, optim_tier):
-            largest = max((f.shard_numel for f in self.flats), default=0)
+            sizes = [sum(p.numel() for _, p, _ in uses) for uses in (plan.root, plan.persistent)]
+            sizes += [sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks]
+            largest = math.ceil(max(sizes, default=0) / self.comm.world_size) + SHARD_ALIGN_ELEMS
             host = 0
             if param_tier == "nvme":
                 elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
@@ -171,26 +152,44 @@ class InfinityEngine:
                 host += (window + 1) * 4 * largest * 4 + largest * 4
         return TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host)
 
-    def _make_flats(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
+    def _shard(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
+        """One FlatParam per param group (frozen ones apart), each sharded into the store at once."""
         by_group: dict[int | None, list] = {}
-        for use in uses:
-            by_group.setdefault(group_of.get(id(use[1])), []).append(use)
+        for fqn, old_param, param_uses in uses:
+            module, attr = param_uses[0]
+            current = module._parameters[attr]  # materialization may have replaced a meta parameter
+            by_group.setdefault(group_of.get(id(old_param)), []).append((fqn, current, param_uses))
         flats = []
         for group_index, members in sorted(by_group.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            tag = "frozen" if group_index is None else group_index
             flat = FlatParam(
-                f"{name}#{'frozen' if group_index is None else group_index}",
-                members,
-                self.compute_dtype,
-                self.device,
-                self.comm,
-                group_index,
-                persistent,
+                f"{name}#{tag}", members, self.compute_dtype, self.device, self.comm, group_index, persistent
             )
             for p in flat.params:
                 p._infinity_flat = flat
                 p._infinity_owner = self
+            self._place(flat)
             flats.append(flat)
         return flats
+
+    def _place(self, flat: FlatParam) -> None:
+        """Put the flat's shard in the store and its master in the optimizer; free the full values."""
+        full32 = flat.initial_full_fp32()
+        flat.install_views()  # from here on the parameters are views into the flat buffer
+        start, end = flat.shard_range
+        self.placement.put(flat, full32[start:end].to(self.compute_dtype))
+        if flat.requires_grad:
+            home = self.placement.home(flat)
+            if home is not None and home.dtype == torch.float32 and home.device == self._optim_device:
+                master = home  # fp32 with weights and optimizer on one tier: one copy serves both
+            else:
+                master = full32[start:end].to(self._optim_device, copy=True)
+            self.optimizer.add_shard(flat, master, home)
+        if flat.persistent:
+            with torch.no_grad():
+                flat.full.copy_(full32)
+        else:
+            flat.release()
 
     def _make_lr_scheduler(self, lr_scheduler: Any):
         if lr_scheduler is not None:

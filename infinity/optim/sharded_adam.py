@@ -49,34 +49,31 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def __init__(
         self,
-        shards: list[tuple[FlatParam, torch.Tensor, torch.Tensor | None]],
         groups: list[dict[str, Any]],
         adamw_mode: bool,
         offloaded: bool,
         param_sink: ParamSink,
     ) -> None:
-        """`shards` holds (flat, fp32 master shard, compute-dtype parameter shard or None) per trainable flat."""
+        """`groups` holds each param group's hyper-parameters; shards join them through `add_shard`."""
         self.adamw_mode = adamw_mode
         self.offloaded = offloaded
         self.param_sink = param_sink
         self._param_writes: deque = deque()
         self.shard_states: dict[FlatParam, ShardState] = {}
-        grouped: list[list[torch.Tensor]] = [[] for _ in groups]
-        for flat, master, param_shard in shards:
-            state = ShardState(
-                master=master,
-                exp_avg=torch.zeros_like(master),
-                exp_avg_sq=torch.zeros_like(master),
-                grad=torch.zeros_like(master),
-                param_shard=param_shard,
-            )
-            self.shard_states[flat] = state
-            grouped[flat.group_index].append(master)
-        param_groups = [{**hyper, "params": ps} for hyper, ps in zip(groups, grouped, strict=True) if ps]
-        self._flat_groups = [i for i, ps in enumerate(grouped) if ps]
-        super().__init__(param_groups, defaults={})
+        super().__init__([{**hyper, "params": []} for hyper in groups], defaults={})
         self._torch_opt: torch.optim.Optimizer | None = None
         self.grad_bytes_to_host = 0
+
+    def add_shard(self, flat: FlatParam, master: torch.Tensor, param_shard: torch.Tensor | None) -> None:
+        """Take over one trainable FlatParam's fp32 master shard; moments start at zero."""
+        self.shard_states[flat] = ShardState(
+            master=master,
+            exp_avg=torch.zeros_like(master),
+            exp_avg_sq=torch.zeros_like(master),
+            grad=torch.zeros_like(master),
+            param_shard=param_shard,
+        )
+        self.param_groups[flat.group_index]["params"].append(master)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -107,7 +104,7 @@ class ShardedAdam(torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------------------
 
     def _group_of(self, flat: FlatParam) -> dict[str, Any]:
-        return self.param_groups[self._flat_groups.index(flat.group_index)]
+        return self.param_groups[flat.group_index]
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0) -> None:
@@ -185,11 +182,13 @@ class ShardedAdam(torch.optim.Optimizer):
                 active.append((flat, s))
         if self._torch_opt is None:
             cls = torch.optim.AdamW if self.adamw_mode else torch.optim.Adam
-            self._torch_opt = cls([dict(g) for g in self.param_groups], fused=True)
+            self._torch_opt = cls([dict(g) for g in self.param_groups if g["params"]], fused=True)
             for s in self.shard_states.values():  # torch steps our moment buffers in place
                 step = torch.full((), float(s.step), dtype=torch.float32, device=s.master.device)
                 self._torch_opt.state[s.master] = {"step": step, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
-        for mine, theirs in zip(self.param_groups, self._torch_opt.param_groups, strict=True):
+        for mine, theirs in zip(
+            [g for g in self.param_groups if g["params"]], self._torch_opt.param_groups, strict=True
+        ):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 theirs[key] = mine[key]
         self._torch_opt.step()

@@ -30,7 +30,6 @@ class StreamedAdam(ShardedAdam):
 
     def __init__(
         self,
-        shards: list[tuple[FlatParam, torch.Tensor, torch.Tensor | None]],
         groups: list[dict[str, Any]],
         adamw_mode: bool,
         param_sink: ParamSink,
@@ -39,16 +38,16 @@ class StreamedAdam(ShardedAdam):
     ) -> None:
         self.store = store
         self.window = max(2, window)
-        slim = []
-        for flat, master, param_shard in shards:
-            for name in STATE_NAMES:
-                value = master if name == "master" else torch.zeros_like(master)
-                store.put(state_key(name, flat), value, "nvme").wait()
-            store.put(state_key("grad", flat), torch.zeros_like(master), "nvme").wait()
-            slim.append((flat, torch.empty(0), param_shard))  # distinct: torch dedups params
-        super().__init__(slim, groups, adamw_mode, offloaded=True, param_sink=param_sink)
+        super().__init__(groups, adamw_mode, offloaded=True, param_sink=param_sink)
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
         self._norm_sq: dict[FlatParam, float] = {}
+
+    def add_shard(self, flat: FlatParam, master: torch.Tensor, param_shard: torch.Tensor | None) -> None:
+        """Write the master shard, zero moments and a gradient slot to NVMe; nothing stays in memory."""
+        zeros = torch.zeros_like(master)
+        for name, value in (("master", master), ("exp_avg", zeros), ("exp_avg_sq", zeros), ("grad", zeros)):
+            self.store.put(state_key(name, flat), value, "nvme").wait()
+        super().add_shard(flat, torch.empty(0), param_shard)  # a distinct placeholder: torch dedups params
 
     # -- gradients -----------------------------------------------------------------------------
 
