@@ -1,0 +1,283 @@
+"""TraceWriter: appends swap-trace records (see `format`) to one JSON-lines file per rank, as the run goes.
+
+Disabled profiling costs one branch: the engine and store hold `None` instead of a writer and guard
+each call with `if prof is not None:` (the store's `recorder=None` convention). An enabled writer
+outside its step window [start_step, end_step] drops each event after one attribute test.
+
+Bound and durability: at most `flush_every` records wait in memory; the buffer is written and flushed
+when it fills, at every `end_step`, at `close()` and at interpreter exit, so a crashed run loses at
+most the last `flush_every - 1` records. All methods are thread-safe (the store records moves from
+its I/O threads). Times are `time.perf_counter_ns()`; methods that take a time default to now.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from infinity.profiler.format import VERSION, trace_filename
+
+now_ns = time.perf_counter_ns
+
+
+def block_of_key(key: Hashable) -> str:
+    """The default block name of a store key: the first item of a tuple key, else the key itself."""
+    if isinstance(key, tuple) and key:
+        return str(key[0])
+    return str(key)
+
+
+# Each record waits in memory as a tuple (type, *fields) and is encoded at flush with its template.
+# Field marks: "$name" a string, JSON-quoted (a non-string is turned into one); "!name" JSON text
+# already ("true"); "name" an integer.
+_LAYOUTS: dict[str, tuple[str, tuple[bool, ...]]] = {}
+
+
+def _layout(kind: str, *fields: str) -> None:
+    body = ",".join(f'"{f.lstrip("$!")}":' + ("%d" if f[0] not in "$!" else "%s") for f in fields)
+    _LAYOUTS[kind] = ('{"type":"' + kind + '",' + body + "}\n", tuple(f.startswith("$") for f in fields))
+
+
+_layout("step", "step", "start_ns", "end_ns")
+_layout("phase", "step", "$phase", "start_ns", "end_ns")
+_layout("move", "$key", "$block", "bytes", "$src", "$dst", "start_ns", "end_ns", "step", "$phase")
+_layout("stall", "$block", "start_ns", "end_ns", "$waited_on", "step", "$phase")
+_layout("collective", "$op", "$block", "bytes", "start_ns", "end_ns", "step", "$phase")
+_layout("compute", "$block", "start_ns", "end_ns", "step", "$phase")
+_layout("prefetch", "$block", "issued_ns", "step", "$phase")
+_layout("use", "$block", "t_ns", "!ready", "step", "$phase")
+_layout("pool", "$pool", "$event", "wait_ns", "t_ns", "step")
+_layout("live", "$tier", "bytes", "t_ns")
+_layout("queue", "$stream", "depth", "t_ns")
+
+
+class TraceWriter:
+    """Writes rank `rank`'s trace to `<path>/trace_rank{rank}.jsonl`; usable as the store's recorder.
+
+    Events are recorded from `begin_step(start_step)` until `end_step(end_step)`, including those
+    between steps (tagged with the last step and phase). `block_of` names the block of a store key
+    for `record()`. `raw_disk` is {"read_gbps", "write_gbps"} one rank can get from its disk, or None.
+    Recording an event appends a tuple to a deque (no lock, no encoding); `flush` encodes and writes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        rank: int,
+        world_size: int,
+        settings: dict[str, Any],
+        start_step: int = 0,
+        end_step: int = 1_000_000_000,
+        raw_disk: dict[str, float] | None = None,
+        block_of: Callable[[Hashable], str] = block_of_key,
+        flush_every: int = 256,
+    ) -> None:
+        if end_step < start_step:
+            raise ValueError(f"profiler end_step {end_step} is before start_step {start_step}; swap them")
+        os.makedirs(path, exist_ok=True)
+        self.path = os.path.join(os.fspath(path), trace_filename(rank))
+        self.rank, self.step_window = rank, (start_step, end_step)
+        self.block_of, self.flush_every = block_of, max(1, flush_every)
+        self._file = open(self.path, "w", encoding="utf-8")  # lives until close()
+        self._lock = threading.Lock()  # serializes flushes; recording itself takes no lock
+        self._queue: deque[tuple] = deque()
+        self._quoted: dict[Any, str] = {}
+        self._active = False
+        self._closed = False
+        self._step = -1
+        self._phase = "forward"
+        self._phase_start_ns = 0
+        self._step_start_ns = 0
+        self._live: dict[str, int] = {}
+        self.bad_records = 0  # records dropped at encoding for a field of the wrong type
+        t0 = now_ns()
+        meta = {"type": "meta", "version": VERSION, "rank": rank, "world_size": world_size, "t0_ns": t0,
+                "t0_unix_ns": time.time_ns(), "settings": settings, "raw_disk": raw_disk,
+                "start_step": start_step, "end_step": end_step}
+        self._file.write(json.dumps(meta, separators=(",", ":")) + "\n")
+        self._file.flush()
+        atexit.register(self.close)
+
+    @property
+    def active(self) -> bool:
+        """True between begin_step(s) and end_step(s) for steps s in [start_step, end_step]."""
+        return self._active
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    # -- steps and phases ----------------------------------------------------------------------
+
+    def begin_step(self, step: int, t_ns: int | None = None) -> None:
+        """Start step `step` in phase "forward"; records from here on when the step is in the window."""
+        first, last = self.step_window
+        if not first <= step <= last or self._closed:
+            return
+        t = now_ns() if t_ns is None else t_ns
+        self._step, self._phase = step, "forward"
+        self._step_start_ns = self._phase_start_ns = t
+        self._active = True
+        for tier, nbytes in list(self._live.items()):  # each step carries its starting level
+            self._put(("live", tier, nbytes, t))
+
+    def set_phase(self, phase: str, t_ns: int | None = None) -> None:
+        """Close the current phase span and start `phase` ("forward", "backward", "optimizer")."""
+        if not self._active or phase == self._phase:
+            self._phase = phase
+            return
+        t = now_ns() if t_ns is None else t_ns
+        self._put(("phase", self._step, self._phase, self._phase_start_ns, t))
+        self._phase, self._phase_start_ns = phase, t
+
+    def end_step(self, step: int | None = None, t_ns: int | None = None) -> None:
+        """End the current step: write its phase and step spans and flush; stop after `end_step`."""
+        if not self._active:
+            return
+        t = now_ns() if t_ns is None else t_ns
+        self._put(("phase", self._step, self._phase, self._phase_start_ns, t))
+        self._put(("step", self._step, self._step_start_ns, t))
+        self._phase_start_ns = t
+        if (self._step if step is None else step) >= self.step_window[1]:
+            self._active = False
+        self.flush()
+
+    # -- events --------------------------------------------------------------------------------
+
+    def move(self, key: Hashable, block: str, nbytes: int, src: str, dst: str, start_ns: int, end_ns: int) -> None:
+        """A shard's `nbytes` moved from tier `src` to tier `dst` over [start_ns, end_ns]."""
+        if self._active:
+            self._put(("move", key if isinstance(key, str) else str(key), block, nbytes, src, dst, start_ns, end_ns,
+                       self._step, self._phase))
+
+    def record(self, event: Any) -> None:
+        """The storage recorder interface: one `MoveEvent` (key, nbytes, src, dst, start_ns, end_ns, rank)."""
+        if self._active:
+            key = event.key
+            self._put(("move", key if isinstance(key, str) else str(key), self.block_of(key), event.nbytes,
+                       event.src, event.dst, event.start_ns, event.end_ns, self._step, self._phase))
+
+    def stall(self, block: str, start_ns: int, end_ns: int, waited_on: str) -> None:
+        """Compute waited for `block` over [start_ns, end_ns] on `waited_on` ("nvme->host", "all-gather", ...)."""
+        if self._active:
+            self._put(("stall", block, start_ns, end_ns, waited_on, self._step, self._phase))
+
+    def collective(self, op: str, block: str, nbytes: int, start_ns: int, end_ns: int) -> None:
+        """A collective `op` of `nbytes` (this rank's output buffer) for `block`."""
+        if self._active:
+            self._put(("collective", op, block, nbytes, start_ns, end_ns, self._step, self._phase))
+
+    def compute(self, block: str, start_ns: int, end_ns: int) -> None:
+        """`block` computed over [start_ns, end_ns] (its forward, or its backward)."""
+        if self._active:
+            self._put(("compute", block, start_ns, end_ns, self._step, self._phase))
+
+    def prefetch(self, block: str, issued_ns: int | None = None) -> None:
+        """A gather or load of `block` was issued ahead of its use."""
+        if self._active:
+            self._put(("prefetch", block, now_ns() if issued_ns is None else issued_ns, self._step, self._phase))
+
+    def use(self, block: str, ready: bool, t_ns: int | None = None) -> None:
+        """Compute reached `block`; `ready` when its weights were there without waiting."""
+        if self._active:
+            self._put(("use", block, now_ns() if t_ns is None else t_ns, "true" if ready else "false", self._step,
+                       self._phase))
+
+    def pool_exhausted(self, pool: str, wait_ns: int, t_ns: int | None = None) -> None:
+        """Buffer pool `pool` ("param", "optimizer") had no free buffer; the caller waited `wait_ns`."""
+        if self._active:
+            self._put(("pool", pool, "exhausted", wait_ns, now_ns() if t_ns is None else t_ns, self._step))
+
+    def live(self, tier: str, nbytes: int, t_ns: int | None = None) -> None:
+        """Tier `tier` now holds `nbytes` live bytes (kept even outside the window, written inside it)."""
+        self._live[tier] = nbytes
+        if self._active:
+            self._put(("live", tier, nbytes, now_ns() if t_ns is None else t_ns))
+
+    def queue(self, stream: str, depth: int, t_ns: int | None = None) -> None:
+        """Stream `stream` ("nvme-read", "nvme-write") now has `depth` requests in flight."""
+        if self._active:
+            self._put(("queue", stream, depth, now_ns() if t_ns is None else t_ns))
+
+    # -- output --------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Encode and write the waiting records, then flush the file."""
+        with self._lock:
+            if self._closed:
+                self._queue.clear()
+                return
+            queue, quoted = self._queue, self._quoted
+            if len(quoted) > 100_000:  # unique keys must not grow it without bound
+                quoted.clear()
+            lines = []
+            for _ in range(len(queue)):
+                record = queue.popleft()
+                template, flags = _LAYOUTS[record[0]]
+                values = []
+                try:
+                    for value, quote in zip(record[1:], flags, strict=True):
+                        if quote:
+                            text = quoted.get(value)
+                            if text is None:
+                                text = quoted[value] = json.dumps(value if isinstance(value, str) else str(value))
+                            value = text
+                        values.append(value)
+                    lines.append(template % tuple(values))
+                except (TypeError, ValueError) as exc:  # a bad argument must not stop training
+                    self.bad_records += 1
+                    if self.bad_records == 1:
+                        warnings.warn(f"profiler: dropped a {record[0]} record with a bad field ({exc}): {record}",
+                                      RuntimeWarning, stacklevel=2)
+            if lines:
+                self._file.write("".join(lines))
+                self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close; later events are dropped. Idempotent; also runs at interpreter exit."""
+        self._active = False
+        self.flush()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._file.close()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _put(self, record: tuple) -> None:
+        self._queue.append(record)  # deque.append is atomic: I/O threads record without a lock
+        if len(self._queue) >= self.flush_every:
+            self.flush()
+
+
+def open_trace_writer(
+    config: Any, rank: int, world_size: int, enabled: bool | None = None, raw_disk: dict[str, float] | None = None,
+) -> TraceWriter | None:
+    """A writer for `config.profiler` (an `InfinityConfig`), or None when profiling is off.
+
+    `enabled` overrides `config.profiler.enabled` (the `--profile` flag passes True).
+    """
+    from infinity.profiler.format import settings_from_config
+
+    prof = config.profiler
+    if not (prof.enabled if enabled is None else enabled):
+        return None
+    return TraceWriter(prof.path, rank, world_size, settings_from_config(config), prof.start_step, prof.end_step,
+                       raw_disk=raw_disk)

@@ -1,0 +1,115 @@
+"""The report's files: Perfetto JSON that the trace-event importer accepts, PNGs that load, the CLIs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from test_profiler_report import write_known_step
+
+from infinity.profiler.cli import main
+from infinity.profiler.perfetto import _lanes, chrome_trace
+from infinity.profiler.plots import bandwidth_bins
+from infinity.profiler.synthetic import SCENARIOS, write_scenario
+from infinity.profiler.traces import load_traces
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> Path:
+    write_known_step(tmp_path, rank=0, world_size=2)
+    write_known_step(tmp_path, rank=1, scale=2, world_size=2)
+    return tmp_path
+
+
+def test_overlapping_spans_get_separate_lanes() -> None:
+    assert _lanes([(0, 10), (5, 15), (10, 20), (12, 13), (20, 30)]) == [0, 1, 0, 2, 0]
+
+
+def test_perfetto_json_has_a_process_per_rank_and_the_named_tracks(two_ranks: Path) -> None:
+    trace = json.loads(json.dumps(chrome_trace(load_traces([two_ranks]))))
+    events = trace["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert processes == {0: "rank 0", 1: "rank 1"}
+    threads = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    for name in ("steps", "phases", "compute", "stalls", "collectives", "nvme->host", "nvme->host #2",
+                 "host->device", "device->host", "host->nvme", "pools", "prefetch/use"):
+        assert (0, name) in threads and (1, name) in threads, name
+    counters = {(e["pid"], e["name"]) for e in events if e["ph"] == "C"}
+    assert (0, "live host bytes") in counters and (1, "live device bytes") in counters
+    moves = [e for e in events if e["ph"] == "X" and e["cat"] == "move" and e["pid"] == 1]
+    assert sum(e["args"]["bytes"] for e in moves) == 2 * (200_000_000 + 50_000_000 + 25_000_000 + 100_000_000)
+
+
+def test_perfetto_slices_on_one_track_never_overlap_and_are_well_formed(two_ranks: Path) -> None:
+    events = chrome_trace(load_traces([two_ranks]))["traceEvents"]
+    by_track = defaultdict(list)
+    for e in events:
+        assert e["ph"] in ("M", "X", "C", "i") and isinstance(e["pid"], int)
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["name"], str)
+            by_track[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():
+        spans.sort()
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:], strict=False))
+    compute = sorted(e["ts"] for e in events if e["ph"] == "X" and e["cat"] == "compute" and e["pid"] == 0)
+    assert compute[1] - compute[0] == pytest.approx(100_000)  # microseconds: b1 starts 100 ms after b0
+
+
+def test_bandwidth_bins_conserve_bytes(two_ranks: Path) -> None:
+    width_s, series = bandwidth_bins(load_traces([two_ranks]), bins=50)
+    moved = {pair: sum(gbps * width_s * 1e9 for gbps in values) for pair, values in series.items()}
+    assert moved["nvme->host"] == pytest.approx(600_000_000)
+    assert moved["host->nvme"] == pytest.approx(300_000_000)
+
+
+def test_cli_prints_the_report_and_writes_perfetto_summary_and_loadable_pngs(two_ranks: Path, capsys) -> None:
+    image = pytest.importorskip("matplotlib.image")
+    out = two_ranks / "out"
+    assert main([str(two_ranks / "trace_rank0.jsonl"), str(two_ranks / "trace_rank1.jsonl"), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 rank(s)" in text and "diagnosis:" in text and "trace.perfetto.json" in text
+    assert json.loads((out / "trace.perfetto.json").read_text())["traceEvents"]
+    assert json.loads((out / "summary.json").read_text())["summary"]["total"]["stall_share"] == pytest.approx(0.06)
+    for name in ("bandwidth.png", "live_bytes.png", "stalls.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC), name
+        pixels = image.imread(out / name)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def test_missing_matplotlib_is_a_note_not_a_crash(two_ranks: Path, monkeypatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    from infinity.profiler.report import build_report
+
+    report = build_report([two_ranks], two_ranks / "out")
+    assert "matplotlib is not installed" in report.text
+    assert not (two_ranks / "out" / "bandwidth.png").exists() and (two_ranks / "out" / "trace.perfetto.json").exists()
+
+
+def test_cli_names_a_missing_trace_and_exits_2(tmp_path: Path, capsys) -> None:
+    assert main([str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+
+
+def test_tool_script_runs_from_a_checkout(tmp_path: Path) -> None:
+    write_scenario(str(tmp_path), SCENARIOS["tuned"])
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "swap_profile.py"), str(tmp_path), "--no-plots",
+                           "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no change needed" in done.stdout and (tmp_path / "r" / "trace.perfetto.json").exists()
