@@ -106,12 +106,6 @@ def test_block_applied_twice_per_forward_matches_plain_pytorch(world):
     _assert_matches(list(_features_run("reused", world)), ref_losses, ref_state)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: plan_blocks assigns a Linear shared by two blocks to the last of them only "
-    "(infinity/partition/blocks.py, block_of_module keyed by id(module)); the first block then runs "
-    "with released (empty) weights",
-    strict=True,
-)
 @pytest.mark.parametrize("world", [1, 2])
 def test_linear_shared_by_two_blocks_matches_plain_pytorch(world):
     ref_losses, ref_state, _ = reference_for("shared_linear", STEPS, MICRO_BS * world)
@@ -186,13 +180,6 @@ def test_reentrant_activation_checkpointing_matches_plain_pytorch(world):
     _assert_matches(list(_reentrant_run(world)), ref_losses, ref_state)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: with reentrant checkpointing no pre-backward hook is registered in the no-grad "
-    "forward, so the first block recomputed in backward runs while the scheduler's phase is IDLE and is "
-    "taken for a forward pass (block_scheduler.py _pre_forward_hook): it invalidates the forward trace "
-    "every step and is released after its recompute, then gathered again",
-    strict=True,
-)
 def test_reentrant_activation_checkpointing_keeps_the_forward_trace_valid():
     for result in _reentrant_run(1):
         assert result["forward_invalidations"] == 0
@@ -265,12 +252,6 @@ def test_gathered_parameters_without_modifier_rank_discards_changes(world):
         torch.testing.assert_close(result["output_after_unmodified"], ref["output_unmodified"], rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: GatheredParameters.__exit__ without modifier_rank leaves an already-gathered flat "
-    "(persistent parameters, or any block gathered at the time) holding the modified values, so the next "
-    "forward of the modifying rank uses weights that are in no shard (infinity/engine/gathered.py)",
-    strict=True,
-)
 @pytest.mark.parametrize("world", [1, 2])
 def test_gathered_parameters_without_modifier_rank_discards_changes_to_gathered_weights(world):
     plain = build("mlp")
@@ -406,11 +387,6 @@ def test_loss_scaler_consecutive_hysteresis_restores_it_on_every_clean_step():
     ]
 
 
-@pytest.mark.xfail(
-    reason="engine bug: LossScaler never restores hysteresis when consecutive_hysteresis is false; DeepSpeed "
-    "restores it when the scale doubles after a clean window (infinity/optim/loss_scaler.py, update)",
-    strict=True,
-)
 def test_loss_scaler_restores_hysteresis_when_the_scale_grows_back():
     # hysteresis 2, window 2: T (hyst 2->1), T (halve to 8), F, F (double to 16, hysteresis back to 2),
     # T (hyst 2->1: no halving), T (halve to 8)
@@ -425,8 +401,12 @@ def test_loss_scaler_restores_hysteresis_when_the_scale_grows_back():
     ]
 
 
-def test_loss_scaler_never_goes_below_min_loss_scale():
-    assert _scale_after_each_update([T, T, T], initial_scale_power=3, hysteresis=1, min_loss_scale=4) == [4, 4, 4]
+def test_loss_scaler_stops_with_a_clear_error_when_overflowing_at_min_loss_scale():
+    # As DeepSpeed (raise_error_at_min_scale): halving stops at min_loss_scale; overflowing there again is fatal.
+    assert _scale_after_each_update([T], initial_scale_power=3, hysteresis=1, min_loss_scale=4) == [4]
+    scaler = LossScaler(FP16Config(enabled=True, initial_scale_power=2, hysteresis=1, min_loss_scale=4))
+    with pytest.raises(FloatingPointError, match="minimum loss scale"):
+        scaler.update(True)
 
 
 def test_loss_scaler_skips_exactly_the_overflowing_steps():
@@ -508,11 +488,6 @@ def test_warmup_decay_lr_follows_deepspeeds_formula():
     assert _lr_at_iterations(engine, range(13)) == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: WarmupCosineLR's cosine phase is one iteration late against DeepSpeed "
-    "(DeepSpeed: real_last_step = iteration - warmup + 1; infinity/optim/lr_schedules.py uses iteration - warmup)",
-    strict=True,
-)
 def test_warmup_cosine_lr_follows_deepspeeds_formula():
     params = {"warmup_min_ratio": 0.1, "warmup_num_steps": 4, "total_num_steps": 10, "cos_min_ratio": 0.01}
     engine = _engine_with_schedule("WarmupCosineLR", params)
@@ -520,11 +495,6 @@ def test_warmup_cosine_lr_follows_deepspeeds_formula():
     assert _lr_at_iterations(engine, range(10)) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: DeepSpeed warms up over max(2, warmup_num_steps) steps; with warmup_num_steps 1 "
-    "infinity/optim/lr_schedules.py jumps to the max lr at iteration 0",
-    strict=True,
-)
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
 def test_warmup_lr_of_one_step_warms_up_over_two_as_deepspeed(warmup_type):
     params = {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 1, "warmup_type": warmup_type}
@@ -546,12 +516,6 @@ def _train_steps(engine, n_micro: int, dtype=torch.float32) -> list[list[float]]
     return lrs + [engine.get_lr()]
 
 
-@pytest.mark.xfail(
-    reason="engine bug: the schedule runs one iteration ahead of DeepSpeed's. DeepSpeed does not step the "
-    "scheduler at construction (WarmupLR sets warmup_min_lr), so after k optimizer steps it is at iteration "
-    "k-1; infinity/optim/lr_schedules.py steps to iteration 0 in __init__, so after k steps it is at k",
-    strict=True,
-)
 def test_lr_after_each_optimizer_step_is_deepspeeds():
     params = {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}
     engine = _engine_with_schedule("WarmupLR", params)
@@ -567,7 +531,9 @@ WARMUP_100 = {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 
 def test_lr_schedule_does_not_advance_between_accumulation_boundaries():
     engine = _engine_with_schedule("WarmupLR", WARMUP_100, grad_accum=3)
     lrs = _train_steps(engine, 6)
-    assert lrs[0] == lrs[1] == lrs[2] != lrs[3] == lrs[4] == lrs[5] != lrs[6]
+    # DeepSpeed's warm-up gives iterations -1 (before any step) and 0 the same (minimum) lr.
+    assert lrs[0] == lrs[1] == lrs[2] == lrs[3] == lrs[4] == lrs[5] != lrs[6]
+    assert engine.lr_scheduler.last_batch_iteration == 1
 
 
 def test_lr_schedule_does_not_advance_on_a_skipped_fp16_step():
@@ -601,11 +567,6 @@ def test_lambda_lr_built_on_the_returned_optimizer_drives_the_engine():
     _assert_matches(results, ref_losses, ref_state)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: a scheduler built on the client optimizer changes that optimizer's lr, which the "
-    "engine read once at initialize and never again: the schedule is silently ignored",
-    strict=True,
-)
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # the client opt never steps
 def test_lr_scheduler_built_on_the_client_optimizer_drives_the_engine():
     model = build("mlp")

@@ -20,6 +20,23 @@ class CommError(RuntimeError):
     """A collective failed, typically because a peer rank died or timed out."""
 
 
+class _Work:
+    """An async collective whose wait() raises CommError, like the synchronous calls."""
+
+    def __init__(self, work, fail) -> None:
+        self._work = work
+        self._fail = fail
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as exc:
+            raise self._fail(exc) from exc
+
+
 @dataclass(frozen=True)
 class CommGroup:
     """The data-parallel group: this rank, the world size, and the torch process group (None if 1)."""
@@ -44,9 +61,10 @@ class CommGroup:
             full.copy_(shard)
             return None
         try:
-            return _all_gather_flat(full, shard, group=self.group, async_op=async_op)
+            work = _all_gather_flat(full, shard, group=self.group, async_op=async_op)
         except Exception as exc:
             raise self._fail("all-gather", what, exc) from exc
+        return _Work(work, lambda exc: self._fail("all-gather", what, exc)) if work is not None else None
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """Write into `shard` this rank's slice of the mean of `full` over ranks."""

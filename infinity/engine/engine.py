@@ -118,7 +118,14 @@ class InfinityEngine:
             -2, "<persistent>", None, self._shard("<persistent>", plan.persistent, groups.group_of, True)
         )
         self.flats = [f for b in (*self.blocks, self.root, self.persistent) for f in b.flats]
+        self._client_optimizer = optimizer
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
+        # With a client optimizer, its param groups are the hyper-parameters' source of truth unless the
+        # engine's own schedule (from the config, or built on the returned optimizer) drives them.
+        on_client = getattr(self.lr_scheduler, "optimizer", None) is optimizer
+        self._client_is_truth = optimizer is not None and (self.lr_scheduler is None or on_client)
+        if optimizer is not None and not self._client_is_truth:
+            self._sync_hyperparameters(into_client=True)
         self.scheduler = BlockScheduler(
             model,
             self.blocks,
@@ -237,6 +244,7 @@ class InfinityEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""
         scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
+        self.scheduler.begin_backward()
         scaled.backward()
         self.scheduler.finish_backward()
 
@@ -246,7 +254,18 @@ class InfinityEngine:
             self._optimizer_step()
         self.micro_steps += 1
 
+    def _sync_hyperparameters(self, into_client: bool) -> None:
+        """Copy lr, betas, eps and weight decay between the client optimizer's groups and the engine's."""
+        if self._client_optimizer is None:
+            return
+        for client, mine in zip(self._client_optimizer.param_groups, self.optimizer.param_groups, strict=True):
+            src, dst = (mine, client) if into_client else (client, mine)
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                dst[key] = src[key]
+
     def _optimizer_step(self) -> None:
+        if self._client_is_truth:
+            self._sync_hyperparameters(into_client=False)
         clip = self.config.gradient_clipping
         scale = self.loss_scaler.scale
         coef = 1.0
@@ -265,6 +284,7 @@ class InfinityEngine:
         self.persistent.release()  # its gathered copy is stale: re-gathered at the next forward
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+            self._sync_hyperparameters(into_client=not self._client_is_truth)
         self.global_steps += 1
 
     @property
@@ -296,6 +316,8 @@ class InfinityEngine:
         return self.train(False)
 
     def get_lr(self) -> list[float]:
+        if self._client_is_truth:
+            self._sync_hyperparameters(into_client=False)
         return [g["lr"] for g in self.optimizer.param_groups]
 
     @property

@@ -79,5 +79,7 @@ class GatheredParameters:
                     values = engine.optimizer.read_state(flat)
                     values["master"] = new_shard.float().cpu()
                     engine.optimizer.load_state(flat, values)
+            elif was_gathered:  # changes without a modifier are discarded, also on always-gathered weights
+                flat.gather_from(engine.placement.read(flat).to(engine.device))
             if not was_gathered:
                 flat.release()

@@ -37,6 +37,11 @@ class LossScaler:
             if self.dynamic:
                 if self.hysteresis_left > 1:
                     self.hysteresis_left -= 1
+                elif self.scale <= self.cfg.min_loss_scale:
+                    raise FloatingPointError(
+                        f"fp16 gradients overflowed at the minimum loss scale ({self.cfg.min_loss_scale}); "
+                        "training cannot continue: lower the learning rate, or use bf16"
+                    )
                 else:
                     self.scale = max(self.scale / 2, self.cfg.min_loss_scale)
                 self.clean_steps = 0
@@ -47,6 +52,8 @@ class LossScaler:
             self.clean_steps += 1
             if self.clean_steps % self.cfg.loss_scale_window == 0:
                 self.scale *= 2
+                if not self.cfg.consecutive_hysteresis:
+                    self.hysteresis_left = self.cfg.hysteresis
         return False
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) with its parameters.
 
 Each schedule sets `lr` in every param group of the optimizer it drives; `step()` advances one
-optimizer step, like DeepSpeed's schedulers (iteration 0 is applied at construction).
+optimizer step. As in DeepSpeed, construction applies iteration -1 (WarmupLR's minimum, WarmupCosineLR's
+zero), so after k optimizer steps the schedule is at iteration k - 1, and warm-up lasts at least 2 steps.
 """
 
 from __future__ import annotations
@@ -37,17 +38,20 @@ class _Schedule:
         self.optimizer = optimizer
         self.p = merged
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self.last_batch_iteration = int(params.get("last_batch_iteration", -1))
-        self.step()
+        self.step(int(params.get("last_batch_iteration", -1)))
 
     def lr_at(self, iteration: int, base_lr: float) -> float:
         raise NotImplementedError
 
     def get_lr(self) -> list[float]:
-        return [self.lr_at(max(self.last_batch_iteration, 0), b) for b in self.base_lrs]
+        return [self.lr_at(self.last_batch_iteration, b) for b in self.base_lrs]
 
     def get_last_lr(self) -> list[float]:
         return self.get_lr()
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(2, int(self.p["warmup_num_steps"]))
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         self.last_batch_iteration = (
@@ -71,7 +75,9 @@ class WarmupLR(_Schedule):
 
     def lr_at(self, iteration: int, base_lr: float) -> float:
         p = self.p
-        gamma = _warmup_gamma(iteration, int(p["warmup_num_steps"]), p["warmup_type"])
+        if iteration < 0:
+            return p["warmup_min_lr"]
+        gamma = _warmup_gamma(iteration, self.warmup_steps, p["warmup_type"])
         return p["warmup_min_lr"] + (p["warmup_max_lr"] - p["warmup_min_lr"]) * gamma
 
 
@@ -87,7 +93,7 @@ class WarmupDecayLR(WarmupLR):
 
     def lr_at(self, iteration: int, base_lr: float) -> float:
         p = self.p
-        warmup, total = int(p["warmup_num_steps"]), int(p["total_num_steps"])
+        warmup, total = self.warmup_steps, int(p["total_num_steps"])
         if iteration < warmup:
             return super().lr_at(iteration, base_lr)
         gamma = max(0.0, (total - iteration) / max(1.0, total - warmup))
@@ -112,12 +118,14 @@ class WarmupCosineLR(_Schedule):
 
     def lr_at(self, iteration: int, base_lr: float) -> float:
         p = self.p
-        warmup, total = int(p["warmup_num_steps"]), int(p["total_num_steps"])
+        warmup, total = self.warmup_steps, int(p["total_num_steps"])
+        if iteration < 0:
+            return 0.0
         if iteration < warmup:
             gamma = _warmup_gamma(iteration, warmup, p["warmup_type"])
             ratio = p["warmup_min_ratio"] + (1.0 - p["warmup_min_ratio"]) * gamma
         else:
-            progress = min(1.0, (iteration - warmup) / max(1, total - warmup))
+            progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
             ratio = p["cos_min_ratio"] + (1.0 - p["cos_min_ratio"]) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return base_lr * ratio
 

@@ -66,10 +66,10 @@ def plan_blocks(
 ) -> BlockPlan:
     """Assign every parameter to one block, the root (shared across blocks), or the persistent set."""
     block_modules = _choose_block_modules(model, block_classes, block_size_elems)
-    block_of_module: dict[int, int] = {}
+    blocks_of_module: dict[int, set[int]] = {}  # a module shared by two blocks belongs to both
     for index, (_, block) in enumerate(block_modules):
         for m in block.modules():
-            block_of_module[id(m)] = index
+            blocks_of_module.setdefault(id(m), set()).add(index)
 
     uses: dict[int, list[tuple[str, nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -83,7 +83,9 @@ def plan_blocks(
     for pid, p in params.items():
         entries = uses[pid]
         use = (entries[0][0], p, tuple((m, a) for _, m, a in entries))
-        owners = {block_of_module.get(id(m)) for _, m, _ in entries}
+        owners: set[int | None] = set()
+        for _, m, _ in entries:
+            owners |= blocks_of_module.get(id(m), {None})
         if p.numel() < persistence_threshold:
             plan.persistent.append(use)
         elif len(owners) == 1 and None not in owners:

@@ -43,6 +43,12 @@ class ShardedBlock:
     def in_flight(self) -> bool:
         return self._pending is not None
 
+    def ready(self) -> bool:
+        """Gathered, or every all-gather of a prefetch has completed."""
+        if self._pending is None:
+            return self.gathered
+        return all(work is None or work.is_completed() for _, work in self._pending)
+
     def start_gather(self, source: ShardSource) -> None:
         """Issue the all-gathers without waiting (a prefetch)."""
         if self._pending is not None or all(f.gathered for f in self.flats):

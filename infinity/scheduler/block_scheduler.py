@@ -55,6 +55,9 @@ class BlockScheduler:
         self.forward_trace = ExecutionTrace()
         self.backward_trace = ExecutionTrace()
         self.stall_s = 0.0
+        self.prefetches_issued = 0
+        self.uses = 0  # times compute reached a block
+        self.prefetch_hits = 0  # ... and found its weights already there
         self._position: dict[int, int | None] = {}
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
@@ -72,6 +75,9 @@ class BlockScheduler:
         return sum(b.numel for b in self.blocks if b.gathered or b.in_flight)
 
     def _ensure_gathered(self, block: ShardedBlock) -> None:
+        if block.index >= 0:
+            self.uses += 1
+            self.prefetch_hits += block.gathered or block.ready()
         if block.gathered:
             return
         start = time.perf_counter()
@@ -88,6 +94,7 @@ class BlockScheduler:
             if block.numel > budget or live + block.numel > self.max_live_elems:
                 break
             block.start_gather(self.source)
+            self.prefetches_issued += 1
             budget -= block.numel
             live += block.numel
 
@@ -149,11 +156,15 @@ class BlockScheduler:
 
     # -- backward ------------------------------------------------------------------------------
 
+    def begin_backward(self) -> None:
+        """Called before autograd runs: recomputation (checkpointing) inside it is not a forward pass."""
+        self.phase = Phase.BACKWARD
+        self.backward_trace.start_pass()
+
     def _pre_backward_hook(self, block: ShardedBlock):
         def hook(grad) -> None:
-            if self.phase is not Phase.BACKWARD:
-                self.phase = Phase.BACKWARD
-                self.backward_trace.start_pass()
+            if self.phase is not Phase.BACKWARD:  # loss.backward() called directly, not engine.backward
+                self.begin_backward()
             position = self.backward_trace.visit(block.index)
             self._ensure_gathered(block)
             if position is not None:
