@@ -19,7 +19,6 @@ from engine_features_cases import (
 import infinity
 from infinity.comm import CommError
 from infinity.config import ConfigError
-from infinity.models.mlp import MLP
 
 # -- the model -------------------------------------------------------------------------------------------
 
