@@ -47,8 +47,10 @@ def record_problem(r: Record) -> str | None:
         ("end_ns" in fields and r["end_ns"] < r["start_ns"], "ends before it starts"),
         ("phase" in fields and r["type"] != "meta" and r["phase"] not in PHASES, f"unknown phase {r.get('phase')!r}"),
         ("bytes" in fields and r["bytes"] < 0, "negative bytes"),
-        (r["type"] == "move" and (r["src"] not in TIERS or r["dst"] not in TIERS or r["src"] == r["dst"]),
-         f"bad tiers {r.get('src')!r}->{r.get('dst')!r}"),
+        (
+            r["type"] == "move" and (r["src"] not in TIERS or r["dst"] not in TIERS or r["src"] == r["dst"]),
+            f"bad tiers {r.get('src')!r}->{r.get('dst')!r}",
+        ),
         (r["type"] == "live" and r["tier"] not in TIERS, f"unknown tier {r.get('tier')!r}"),
         (r["type"] == "stall" and r["waited_on"] not in WAIT_KINDS, f"unknown waited_on {r.get('waited_on')!r}"),
         (r["type"] == "collective" and r["op"] not in COLLECTIVE_OPS, f"unknown op {r.get('op')!r}"),
@@ -132,7 +134,7 @@ def peak_in(series: list[tuple[int, int]], spans: Iterable[tuple[int, int]]) -> 
     peak = None
     for start, end in spans:
         lo, hi = bisect.bisect_right(times, start), bisect.bisect_right(times, end)
-        values = [v for _, v in series[max(lo - 1, 0):hi]]  # the level at start, then changes up to end
+        values = [v for _, v in series[max(lo - 1, 0) : hi]]  # the level at start, then changes up to end
         if values:
             peak = max(values) if peak is None else max(peak, *values)
     return peak

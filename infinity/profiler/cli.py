@@ -7,11 +7,17 @@ import sys
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("traces", nargs="+", metavar="TRACE",
-                        help="trace_rank*.jsonl files, or directories holding them (the profiler path)")
-    parser.add_argument("--out", metavar="DIR",
-                        help="where trace.perfetto.json, summary.json and the PNGs go (default: "
-                             "<directory of the first trace>/report)")
+    parser.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE",
+        help="trace_rank*.jsonl files, or directories holding them (the profiler path)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where trace.perfetto.json, summary.json and the PNGs go (default: <directory of the first trace>/report)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--top", type=int, default=5, help="how many slowest and most stalled blocks to list")
     parser.add_argument("--strict", action="store_true", help="exit 1 when the traces have format problems")
@@ -37,7 +43,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `infinity profile` (registered by the CLI) and `tools/swap_profile.py`."""
-    parser = argparse.ArgumentParser(prog="infinity profile",
-                                     description="Summarize and diagnose swap traces of all ranks.")
+    parser = argparse.ArgumentParser(
+        prog="infinity profile", description="Summarize and diagnose swap traces of all ranks."
+    )
     add_profile_arguments(parser)
     return run_profile(parser.parse_args(argv))

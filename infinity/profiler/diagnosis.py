@@ -117,31 +117,48 @@ def _stall_rules(summary: Summary, traces: list[RankTrace], out: list[Recommenda
         read_share = sum(window.stall_by_wait[w] for w in reads) / window.wall_ns
         if read_share > STALL_SHARE:
             idle, measured = _queue_idle(traces, phase, queue_depth)
-            how = (f"held fewer than aio.queue_depth={queue_depth} requests" if measured
-                   else "had no read in flight (estimated from moves; record queue depths to measure)")
+            how = (
+                f"held fewer than aio.queue_depth={queue_depth} requests"
+                if measured
+                else "had no read in flight (estimated from moves; record queue depths to measure)"
+            )
             if idle >= QUEUE_IDLE_SHARE:
-                out.append(Recommendation(
-                    "stage3_prefetch_bucket_size", "raise",
-                    f"{_pct(read_share)} of {phase} stalled on NVMe reads while the read queue {how} for "
-                    f"{_pct(idle)} of {phase}: reads start too late", _setting(s, "stage3_prefetch_bucket_size")))
+                out.append(
+                    Recommendation(
+                        "stage3_prefetch_bucket_size",
+                        "raise",
+                        f"{_pct(read_share)} of {phase} stalled on NVMe reads while the read queue {how} for "
+                        f"{_pct(idle)} of {phase}: reads start too late",
+                        _setting(s, "stage3_prefetch_bucket_size"),
+                    )
+                )
             else:
                 rate, fraction = _disk_fraction(summary, reads=True)
                 if fraction is None or fraction >= DISK_FRACTION:
                     disk = "" if fraction is None else f", {fraction:.2f} of raw disk bandwidth"
-                    out.append(Recommendation(
-                        "offload_param.max_in_cpu", "raise",
-                        f"{_pct(read_share)} of {phase} stalled on NVMe reads with the read queue saturated for "
-                        f"{_pct(1 - idle)} of {phase} and reads at {rate.gbps_busy:.2f} GB/s{disk}: the disk is "
-                        "the limit; keep more parameters in host memory", _setting(s, "offload_param.max_in_cpu")))
+                    out.append(
+                        Recommendation(
+                            "offload_param.max_in_cpu",
+                            "raise",
+                            f"{_pct(read_share)} of {phase} stalled on NVMe reads with the read queue saturated for "
+                            f"{_pct(1 - idle)} of {phase} and reads at {rate.gbps_busy:.2f} GB/s{disk}: the disk is "
+                            "the limit; keep more parameters in host memory",
+                            _setting(s, "offload_param.max_in_cpu"),
+                        )
+                    )
         for wait, ns in sorted(window.stall_by_wait.items()):
             share = ns / window.wall_ns
             if wait in reads or share <= STALL_SHARE or wait == "pool":
                 continue
             what = f"{wait} collectives" if wait in COLLECTIVE_OPS else f"{wait} copies"
-            out.append(Recommendation(
-                "stage3_prefetch_bucket_size", "raise",
-                f"{_pct(share)} of {phase} stalled on {what}: they are issued too late",
-                _setting(s, "stage3_prefetch_bucket_size")))
+            out.append(
+                Recommendation(
+                    "stage3_prefetch_bucket_size",
+                    "raise",
+                    f"{_pct(share)} of {phase} stalled on {what}: they are issued too late",
+                    _setting(s, "stage3_prefetch_bucket_size"),
+                )
+            )
     window = summary.phases.get("optimizer")
     if window is not None and window.wall_ns:
         for reads, flag in ((True, "pipeline_read"), (False, "pipeline_write")):
@@ -153,8 +170,14 @@ def _stall_rules(summary: Summary, traces: list[RankTrace], out: list[Recommenda
             if not _setting(s, f"offload_optimizer.{flag}"):
                 out.append(Recommendation(f"offload_optimizer.{flag}", "set true", evidence + ": overlap them", False))
             else:
-                out.append(Recommendation("offload_optimizer.buffer_count", "raise", evidence + " with the pipeline on",
-                                          _setting(s, "offload_optimizer.buffer_count")))
+                out.append(
+                    Recommendation(
+                        "offload_optimizer.buffer_count",
+                        "raise",
+                        evidence + " with the pipeline on",
+                        _setting(s, "offload_optimizer.buffer_count"),
+                    )
+                )
 
 
 def _pool_rules(summary: Summary, out: list[Recommendation]) -> None:
@@ -165,10 +188,15 @@ def _pool_rules(summary: Summary, out: list[Recommendation]) -> None:
             continue
         section = {"param": "offload_param", "optimizer": "offload_optimizer"}.get(pool, pool)
         setting = f"{section}.buffer_count"
-        out.append(Recommendation(
-            setting, "raise",
-            f"buffer pool '{pool}' exhausted {count} times in {steps} step(s), waiting {wait_ns / 1e9:.3f} s "
-            f"({_pct(share)} of step time)", _setting(summary.settings, setting)))
+        out.append(
+            Recommendation(
+                setting,
+                "raise",
+                f"buffer pool '{pool}' exhausted {count} times in {steps} step(s), waiting {wait_ns / 1e9:.3f} s "
+                f"({_pct(share)} of step time)",
+                _setting(summary.settings, setting),
+            )
+        )
 
 
 def _disk_rules(summary: Summary, out: list[Recommendation], notes: list[str]) -> None:
@@ -182,12 +210,22 @@ def _disk_rules(summary: Summary, out: list[Recommendation], notes: list[str]) -
             continue
         raw = summary.raw_disk["read_gbps" if reads else "write_gbps"]
         depth, intra = _setting(s, "aio.queue_depth") or 1, _setting(s, "aio.intra_op_parallelism") or 1
-        setting = ("aio.queue_depth" if depth < HIGH_QUEUE_DEPTH
-                   else "aio.intra_op_parallelism" if intra < HIGH_INTRA_OP else "aio.block_size")
-        out.append(Recommendation(
-            setting, "raise",
-            f"NVMe {'reads' if reads else 'writes'} ran at {rate.gbps_busy:.2f} GB/s while busy, {fraction:.2f} of "
-            f"the raw disk's {raw:.2f} GB/s", _setting(s, setting)))
+        setting = (
+            "aio.queue_depth"
+            if depth < HIGH_QUEUE_DEPTH
+            else "aio.intra_op_parallelism"
+            if intra < HIGH_INTRA_OP
+            else "aio.block_size"
+        )
+        out.append(
+            Recommendation(
+                setting,
+                "raise",
+                f"NVMe {'reads' if reads else 'writes'} ran at {rate.gbps_busy:.2f} GB/s while busy, {fraction:.2f} of "
+                f"the raw disk's {raw:.2f} GB/s",
+                _setting(s, setting),
+            )
+        )
 
 
 def _merge(recommendations: list[Recommendation]) -> list[Recommendation]:
@@ -212,7 +250,9 @@ def diagnose(summary: Summary, traces: list[RankTrace]) -> Diagnosis:
     hit = "n/a" if total.hit_rate is None else _pct(total.hit_rate)
     exhausted = sum(count for count, _ in summary.pools.values())
     result.verdict = (
-        f"{len(result.recommendations)} setting(s) to change" if result.recommendations else
-        f"no change needed: stalls were {_pct(total.stall_share)} of step time, prefetch hit rate {hit}, "
-        f"buffer pools exhausted {exhausted} time(s)")
+        f"{len(result.recommendations)} setting(s) to change"
+        if result.recommendations
+        else f"no change needed: stalls were {_pct(total.stall_share)} of step time, prefetch hit rate {hit}, "
+        f"buffer pools exhausted {exhausted} time(s)"
+    )
     return result

@@ -88,10 +88,21 @@ def settings_from_config(config: Any) -> dict[str, Any]:
     return {
         "stage3_prefetch_bucket_size": zero.stage3_prefetch_bucket_size,
         "stage3_max_live_parameters": zero.stage3_max_live_parameters,
-        "offload_param": {"device": param.device, "buffer_count": param.buffer_count,
-                          "buffer_size": param.buffer_size, "max_in_cpu": param.max_in_cpu},
-        "offload_optimizer": {"device": optim.device, "buffer_count": optim.buffer_count,
-                              "pipeline_read": optim.pipeline_read, "pipeline_write": optim.pipeline_write},
-        "aio": {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
-                "intra_op_parallelism": aio.intra_op_parallelism},
+        "offload_param": {
+            "device": param.device,
+            "buffer_count": param.buffer_count,
+            "buffer_size": param.buffer_size,
+            "max_in_cpu": param.max_in_cpu,
+        },
+        "offload_optimizer": {
+            "device": optim.device,
+            "buffer_count": optim.buffer_count,
+            "pipeline_read": optim.pipeline_read,
+            "pipeline_write": optim.pipeline_write,
+        },
+        "aio": {
+            "block_size": aio.block_size,
+            "queue_depth": aio.queue_depth,
+            "intra_op_parallelism": aio.intra_op_parallelism,
+        },
     }

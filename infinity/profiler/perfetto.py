@@ -50,8 +50,9 @@ class _Tracks:
         if label not in self.ids:
             tid = self.ids[label] = len(self.ids) + 1
             self.events.append({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": tid, "args": {"name": label}})
-            self.events.append({"ph": "M", "name": "thread_sort_index", "pid": self.pid, "tid": tid,
-                                "args": {"sort_index": tid}})
+            self.events.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": self.pid, "tid": tid, "args": {"sort_index": tid}}
+            )
         return self.ids[label]
 
 
@@ -59,9 +60,18 @@ def _spans(trace: RankTrace, tracks: _Tracks, track: str, records: list[Record],
     lanes = _lanes([(r["start_ns"], r["end_ns"]) for r in records])
     for r, lane in zip(records, lanes, strict=True):
         start = trace.to_global(r["start_ns"])
-        tracks.events.append({
-            "ph": "X", "name": name_of(r), "cat": r["type"], "pid": tracks.pid, "tid": tracks.tid(track, lane),
-            "ts": start / 1000, "dur": (r["end_ns"] - r["start_ns"]) / 1000, "args": args_of(r)})
+        tracks.events.append(
+            {
+                "ph": "X",
+                "name": name_of(r),
+                "cat": r["type"],
+                "pid": tracks.pid,
+                "tid": tracks.tid(track, lane),
+                "ts": start / 1000,
+                "dur": (r["end_ns"] - r["start_ns"]) / 1000,
+                "args": args_of(r),
+            }
+        )
 
 
 def _when(r: Record) -> dict[str, Any]:
@@ -83,37 +93,88 @@ def chrome_trace(traces: list[RankTrace]) -> dict[str, Any]:
         _spans(trace, tracks, "steps", trace.of("step"), lambda r: f"step {r['step']}", lambda r: {"step": r["step"]})
         _spans(trace, tracks, "phases", trace.of("phase"), lambda r: r["phase"], _when)
         _spans(trace, tracks, "compute", trace.of("compute"), lambda r: r["block"], _when)
-        _spans(trace, tracks, "stalls", trace.of("stall"), lambda r: f"stall {r['block']}",
-               lambda r: {**_when(r), "waited_on": r["waited_on"]})
-        _spans(trace, tracks, "collectives", trace.of("collective"), lambda r: f"{r['op']} {r['block']}",
-               lambda r: {**_when(r), "bytes": r["bytes"], "GB/s": _gbps(r)})
+        _spans(
+            trace,
+            tracks,
+            "stalls",
+            trace.of("stall"),
+            lambda r: f"stall {r['block']}",
+            lambda r: {**_when(r), "waited_on": r["waited_on"]},
+        )
+        _spans(
+            trace,
+            tracks,
+            "collectives",
+            trace.of("collective"),
+            lambda r: f"{r['op']} {r['block']}",
+            lambda r: {**_when(r), "bytes": r["bytes"], "GB/s": _gbps(r)},
+        )
         by_pair: dict[str, list[Record]] = {}
         for r in trace.of("move"):
             by_pair.setdefault(tier_pair(r["src"], r["dst"]), []).append(r)
         for pair, moves in by_pair.items():
-            _spans(trace, tracks, pair, moves, lambda r: r["block"],
-                   lambda r: {**_when(r), "key": r["key"], "bytes": r["bytes"], "GB/s": _gbps(r)})
+            _spans(
+                trace,
+                tracks,
+                pair,
+                moves,
+                lambda r: r["block"],
+                lambda r: {**_when(r), "key": r["key"], "bytes": r["bytes"], "GB/s": _gbps(r)},
+            )
         for r in trace.of("pool"):
-            events.append({"ph": "i", "s": "t", "name": f"{r['pool']} pool exhausted", "pid": pid,
-                           "tid": tracks.tid("pools"), "ts": trace.to_global(r["t_ns"]) / 1000,
-                           "args": {"wait_ms": r["wait_ns"] / 1e6, "step": r["step"]}})
+            events.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": f"{r['pool']} pool exhausted",
+                    "pid": pid,
+                    "tid": tracks.tid("pools"),
+                    "ts": trace.to_global(r["t_ns"]) / 1000,
+                    "args": {"wait_ms": r["wait_ns"] / 1e6, "step": r["step"]},
+                }
+            )
         marks = [(r["issued_ns"], f"prefetch {r['block']}") for r in trace.of("prefetch")]
         marks += [(r["t_ns"], f"{'hit' if r['ready'] else 'miss'} {r['block']}") for r in trace.of("use")]
         for t, name in marks:
-            events.append({"ph": "i", "s": "t", "name": name, "pid": pid, "tid": tracks.tid("prefetch/use"),
-                           "ts": trace.to_global(t) / 1000})
+            events.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": name,
+                    "pid": pid,
+                    "tid": tracks.tid("prefetch/use"),
+                    "ts": trace.to_global(t) / 1000,
+                }
+            )
         for r in trace.of("live"):
-            events.append({"ph": "C", "name": f"live {r['tier']} bytes", "pid": pid,
-                           "ts": trace.to_global(r["t_ns"]) / 1000, "args": {"bytes": r["bytes"]}})
+            events.append(
+                {
+                    "ph": "C",
+                    "name": f"live {r['tier']} bytes",
+                    "pid": pid,
+                    "ts": trace.to_global(r["t_ns"]) / 1000,
+                    "args": {"bytes": r["bytes"]},
+                }
+            )
         for r in trace.of("queue"):
-            events.append({"ph": "C", "name": f"{r['stream']} queue depth", "pid": pid,
-                           "ts": trace.to_global(r["t_ns"]) / 1000, "args": {"depth": r["depth"]}})
+            events.append(
+                {
+                    "ph": "C",
+                    "name": f"{r['stream']} queue depth",
+                    "pid": pid,
+                    "ts": trace.to_global(r["t_ns"]) / 1000,
+                    "args": {"depth": r["depth"]},
+                }
+            )
     origin = min((e["ts"] for e in events if "ts" in e), default=0)
     for e in events:  # the earliest event at 0: traces written with arbitrary clocks stay non-negative
         if "ts" in e:
             e["ts"] -= origin
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": "infinity swap profiler", "ranks": [t.rank for t in traces]}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"source": "infinity swap profiler", "ranks": [t.rank for t in traces]},
+    }
 
 
 def write_perfetto(traces: list[RankTrace], path: str | os.PathLike) -> str:

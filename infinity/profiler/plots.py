@@ -24,8 +24,9 @@ def _figure(height: float = 4.0):
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise PlotsUnavailable("matplotlib is not installed, so no PNG plots: pip install 'infinity[plots]' "
-                               "(or pip install matplotlib)") from exc
+        raise PlotsUnavailable(
+            "matplotlib is not installed, so no PNG plots: pip install 'infinity[plots]' (or pip install matplotlib)"
+        ) from exc
     fig = Figure(figsize=(10, height), layout="constrained")
     return fig, fig.add_subplot()
 
@@ -38,10 +39,19 @@ def _origin_ns(traces: list[RankTrace]) -> int:
 def bandwidth_bins(traces: list[RankTrace], bins: int = 100) -> tuple[float, dict[str, list[float]]]:
     """(bin width in s, tier pair -> GB/s in each bin) over all ranks, from the first step's start."""
     origin = _origin_ns(traces)
-    moves = [(tier_pair(r["src"], r["dst"]), t.to_global(r["start_ns"]) - origin, t.to_global(r["end_ns"]) - origin,
-              r["bytes"]) for t in traces for r in t.of("move")]
-    span = max([e for _, _, e, _ in moves] + [t.to_global(e) - origin for t in traces for _, e, _ in t.steps().values()]
-               + [1])
+    moves = [
+        (
+            tier_pair(r["src"], r["dst"]),
+            t.to_global(r["start_ns"]) - origin,
+            t.to_global(r["end_ns"]) - origin,
+            r["bytes"],
+        )
+        for t in traces
+        for r in t.of("move")
+    ]
+    span = max(
+        [e for _, _, e, _ in moves] + [t.to_global(e) - origin for t in traces for _, e, _ in t.steps().values()] + [1]
+    )
     width = span / bins
     series: dict[str, list[float]] = defaultdict(lambda: [0.0] * bins)
     for pair, start, end, nbytes in moves:
@@ -90,8 +100,9 @@ def plot_stalls(traces: list[RankTrace], path: str) -> str:
     for row, trace in enumerate(traces):
         by_wait: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for r in trace.of("stall"):
-            by_wait[r["waited_on"]].append(((trace.to_global(r["start_ns"]) - origin) / 1e9,
-                                            (r["end_ns"] - r["start_ns"]) / 1e9))
+            by_wait[r["waited_on"]].append(
+                ((trace.to_global(r["start_ns"]) - origin) / 1e9, (r["end_ns"] - r["start_ns"]) / 1e9)
+            )
         for wait, bars in sorted(by_wait.items()):
             colour = colours.setdefault(wait, palette[len(colours) % len(palette)])
             ax.broken_barh(bars, (row - 0.4, 0.8), color=colour)
@@ -108,5 +119,11 @@ def plot_stalls(traces: list[RankTrace], path: str) -> str:
 def write_plots(traces: list[RankTrace], out_dir: str | os.PathLike) -> list[str]:
     """Write the three PNGs into `out_dir`; raises PlotsUnavailable without matplotlib."""
     out = os.fspath(out_dir)
-    return [plot(traces, os.path.join(out, name)) for plot, name in
-            ((plot_bandwidth, "bandwidth.png"), (plot_live_bytes, "live_bytes.png"), (plot_stalls, "stalls.png"))]
+    return [
+        plot(traces, os.path.join(out, name))
+        for plot, name in (
+            (plot_bandwidth, "bandwidth.png"),
+            (plot_live_bytes, "live_bytes.png"),
+            (plot_stalls, "stalls.png"),
+        )
+    ]

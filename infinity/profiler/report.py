@@ -20,9 +20,11 @@ from infinity.profiler.perfetto import write_perfetto
 from infinity.profiler.plots import PlotsUnavailable, write_plots
 from infinity.profiler.traces import RankTrace, load_traces
 
-RATES_NOTE = ('GB/s "busy" = bytes / time the pair had a move in flight (union of move spans); '
-              'GB/s "wall" = bytes / the window\'s wall time.\nTimes and rates are per rank (sums over ranks, '
-              "divided); peaks are the highest rank's; GB = 1e9 bytes.")
+RATES_NOTE = (
+    'GB/s "busy" = bytes / time the pair had a move in flight (union of move spans); '
+    'GB/s "wall" = bytes / the window\'s wall time.\nTimes and rates are per rank (sums over ranks, '
+    "divided); peaks are the highest rank's; GB = 1e9 bytes."
+)
 
 
 PAIR_ORDER = ("nvme->host", "host->device", "nvme->device", "device->host", "host->nvme", "device->nvme")
@@ -50,8 +52,10 @@ def _window_lines(w: Window, label: str, indent: str = "  ") -> list[str]:
     hit = "-" if w.hit_rate is None else f"{w.hits}/{w.uses} ({100 * w.hit_rate:.0f}%)"
     peak = ", ".join(f"{tier} {_gb(b)}" for tier, b in sorted(w.peak_live.items())) or "-"
     per_rank = max(w.ranks, 1)
-    lines = [f"{indent}{label:<10} {_ms(w.wall_ns / per_rank):>10} {_ms(w.stall_ns / per_rank):>10} "
-             f"{100 * w.stall_share:>7.1f}%  {hit:<14} {peak}"]
+    lines = [
+        f"{indent}{label:<10} {_ms(w.wall_ns / per_rank):>10} {_ms(w.stall_ns / per_rank):>10} "
+        f"{100 * w.stall_share:>7.1f}%  {hit:<14} {peak}"
+    ]
     waits = ", ".join(f"{k} {_ms(v / per_rank)} ms" for k, v in sorted(w.stall_by_wait.items(), key=lambda kv: -kv[1]))
     if waits:
         lines.append(f"{indent}    stalled on: {waits}")
@@ -59,8 +63,10 @@ def _window_lines(w: Window, label: str, indent: str = "  ") -> list[str]:
     rates = sorted(w.moves.items(), key=lambda kv: order.get(kv[0], len(order)))
     rates += sorted(w.collectives.items(), key=lambda kv: order.get(kv[0], len(order)))
     for name, rate in rates:
-        lines.append(f"{indent}    {name:<15} {_gb(rate.bytes):>11} in {rate.count:>5} ops   "
-                     f"{rate.gbps_busy:7.2f} GB/s busy   {rate.gbps_wall:7.2f} GB/s wall")
+        lines.append(
+            f"{indent}    {name:<15} {_gb(rate.bytes):>11} in {rate.count:>5} ops   "
+            f"{rate.gbps_busy:7.2f} GB/s busy   {rate.gbps_wall:7.2f} GB/s wall"
+        )
     return lines
 
 
@@ -71,8 +77,10 @@ def format_report(report: Report, traces: list[RankTrace]) -> str:
     s, d = report.summary, report.diagnosis
     crashed = [st.step for st in s.steps if not st.total.complete]
     steps = f"{s.steps[0].step}..{s.steps[-1].step}" if s.steps else "none"
-    out = [f"infinity swap profile: {len(s.ranks)} rank(s) of world size {s.world_size}, "
-           f"{len(s.steps)} step(s) ({steps})" + (f", step(s) {crashed} cut short" if crashed else "")]
+    out = [
+        f"infinity swap profile: {len(s.ranks)} rank(s) of world size {s.world_size}, "
+        f"{len(s.steps)} step(s) ({steps})" + (f", step(s) {crashed} cut short" if crashed else "")
+    ]
     out += [f"  {t.path}" + ("  (last line cut: the run crashed)" if t.truncated else "") for t in traces]
     out += [RATES_NOTE, ""]
     for st in s.steps:
@@ -85,15 +93,21 @@ def format_report(report: Report, traces: list[RankTrace]) -> str:
         out += _window_lines(w, phase)
     out += _window_lines(s.total, ALL)
     out += ["", "slowest blocks (mean compute per call):"]
-    out += [f"  {b.block:<24} {b.phase:<9} {_ms(b.mean_ns):>8} ms mean {_ms(b.max_ns):>8} ms max  {b.count} calls"
-            for b in s.slowest_compute] or ["  (no compute spans recorded)"]
+    out += [
+        f"  {b.block:<24} {b.phase:<9} {_ms(b.mean_ns):>8} ms mean {_ms(b.max_ns):>8} ms max  {b.count} calls"
+        for b in s.slowest_compute
+    ] or ["  (no compute spans recorded)"]
     out += ["most stalled blocks (total stall):"]
-    out += [f"  {b.block:<24} {b.phase:<9} {_ms(b.total_ns):>8} ms in {b.count} stalls  on "
-            + ", ".join(f"{k} {_ms(v)} ms" for k, v in sorted(b.waited_on.items(), key=lambda kv: -kv[1]))
-            for b in s.most_stalled] or ["  (no stalls recorded)"]
+    out += [
+        f"  {b.block:<24} {b.phase:<9} {_ms(b.total_ns):>8} ms in {b.count} stalls  on "
+        + ", ".join(f"{k} {_ms(v)} ms" for k, v in sorted(b.waited_on.items(), key=lambda kv: -kv[1]))
+        for b in s.most_stalled
+    ] or ["  (no stalls recorded)"]
     if s.pools:
-        out += ["buffer pools: " + "; ".join(f"'{p}' exhausted {c} times, waited {w / 1e9:.3f} s"
-                                            for p, (c, w) in sorted(s.pools.items()))]
+        out += [
+            "buffer pools: "
+            + "; ".join(f"'{p}' exhausted {c} times, waited {w / 1e9:.3f} s" for p, (c, w) in sorted(s.pools.items()))
+        ]
     if report.problems:
         out += ["", f"trace problems ({len(report.problems)}; malformed records left out):"]
         out += [f"  {p}" for p in report.problems]
@@ -110,8 +124,11 @@ def _jsonable(summary: Summary) -> dict:
     def convert(obj):
         if dataclasses.is_dataclass(obj):
             fields = {f.name: convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-            extra = {name: getattr(obj, name) for name in ("gbps_busy", "gbps_wall", "stall_share", "hit_rate")
-                     if hasattr(obj, name)}
+            extra = {
+                name: getattr(obj, name)
+                for name in ("gbps_busy", "gbps_wall", "stall_share", "hit_rate")
+                if hasattr(obj, name)
+            }
             return {**fields, **extra}
         if isinstance(obj, dict):
             return {str(k): convert(v) for k, v in obj.items()}
@@ -122,8 +139,9 @@ def _jsonable(summary: Summary) -> dict:
     return convert(summary)
 
 
-def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike | None = None, plots: bool = True,
-                 top: int = 5) -> Report:
+def build_report(
+    paths: list[str | os.PathLike], out_dir: str | os.PathLike | None = None, plots: bool = True, top: int = 5
+) -> Report:
     """Read the traces (files, or directories of trace_rank*.jsonl) and build the report; see the module doc."""
     traces = load_traces(paths)
     if not traces:
@@ -138,8 +156,11 @@ def build_report(paths: list[str | os.PathLike], out_dir: str | os.PathLike | No
         report.files.append(write_perfetto(traces, os.path.join(out, "trace.perfetto.json")))
         summary_path = os.path.join(out, "summary.json")
         with open(summary_path, "w", encoding="utf-8") as f:
-            json.dump({"summary": _jsonable(summary), "diagnosis": _jsonable(report.diagnosis),
-                       "problems": problems}, f, indent=1)
+            json.dump(
+                {"summary": _jsonable(summary), "diagnosis": _jsonable(report.diagnosis), "problems": problems},
+                f,
+                indent=1,
+            )
         report.files.append(summary_path)
         if plots:
             try:

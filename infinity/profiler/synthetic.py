@@ -40,8 +40,9 @@ class Scenario:
 
 SCENARIOS = {
     "tuned": Scenario(),
-    "starved": Scenario(prefetch_ahead=0, queue_depth=1, buffer_count=1, read_gbps=0.25, write_gbps=0.12,
-                        pool_exhausted_per_step=40),
+    "starved": Scenario(
+        prefetch_ahead=0, queue_depth=1, buffer_count=1, read_gbps=0.25, write_gbps=0.12, pool_exhausted_per_step=40
+    ),
     "late_prefetch": Scenario(prefetch_ahead=0),
     "disk_bound": Scenario(forward_ms=20.0, backward_ms=20.0, prefetch_ahead=3),
     "slow_disk": Scenario(read_gbps=0.5, write_gbps=0.3, forward_ms=200.0, backward_ms=200.0),
@@ -52,9 +53,14 @@ SCENARIOS = {
 def settings_for(s: Scenario) -> dict:
     """The meta settings of a scenario (DeepSpeed defaults for what it does not vary)."""
     return {
-        "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
-        "offload_param": {"device": "nvme", "buffer_count": s.buffer_count, "buffer_size": 100_000_000,
-                          "max_in_cpu": 1_000_000_000},
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "offload_param": {
+            "device": "nvme",
+            "buffer_count": s.buffer_count,
+            "buffer_size": 100_000_000,
+            "max_in_cpu": 1_000_000_000,
+        },
         "offload_optimizer": {"device": "nvme", "buffer_count": 4, "pipeline_read": False, "pipeline_write": False},
         "aio": {"block_size": 1 << 20, "queue_depth": s.queue_depth, "intra_op_parallelism": 1},
     }
@@ -76,8 +82,9 @@ class _Disk:
         return end
 
 
-def _pass(w: TraceWriter, s: Scenario, disk: _Disk, t: int, order: list[int], compute_ms: float,
-          live: list[int]) -> int:
+def _pass(
+    w: TraceWriter, s: Scenario, disk: _Disk, t: int, order: list[int], compute_ms: float, live: list[int]
+) -> int:
     ready: dict[int, int] = {}
     for i in order[: s.prefetch_ahead]:
         w.prefetch(f"block{i}", t)

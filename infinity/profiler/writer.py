@@ -98,9 +98,18 @@ class TraceWriter:
         self._live: dict[str, int] = {}
         self.bad_records = 0  # records dropped at encoding for a field of the wrong type
         t0 = now_ns()
-        meta = {"type": "meta", "version": VERSION, "rank": rank, "world_size": world_size, "t0_ns": t0,
-                "t0_unix_ns": time.time_ns(), "settings": settings, "raw_disk": raw_disk,
-                "start_step": start_step, "end_step": end_step}
+        meta = {
+            "type": "meta",
+            "version": VERSION,
+            "rank": rank,
+            "world_size": world_size,
+            "t0_ns": t0,
+            "t0_unix_ns": time.time_ns(),
+            "settings": settings,
+            "raw_disk": raw_disk,
+            "start_step": start_step,
+            "end_step": end_step,
+        }
         self._file.write(json.dumps(meta, separators=(",", ":")) + "\n")
         self._file.flush()
         atexit.register(self.close)
@@ -158,15 +167,39 @@ class TraceWriter:
     def move(self, key: Hashable, block: str, nbytes: int, src: str, dst: str, start_ns: int, end_ns: int) -> None:
         """A shard's `nbytes` moved from tier `src` to tier `dst` over [start_ns, end_ns]."""
         if self._active:
-            self._put(("move", key if isinstance(key, str) else str(key), block, nbytes, src, dst, start_ns, end_ns,
-                       self._step, self._phase))
+            self._put(
+                (
+                    "move",
+                    key if isinstance(key, str) else str(key),
+                    block,
+                    nbytes,
+                    src,
+                    dst,
+                    start_ns,
+                    end_ns,
+                    self._step,
+                    self._phase,
+                )
+            )
 
     def record(self, event: Any) -> None:
         """The storage recorder interface: one `MoveEvent` (key, nbytes, src, dst, start_ns, end_ns, rank)."""
         if self._active:
             key = event.key
-            self._put(("move", key if isinstance(key, str) else str(key), self.block_of(key), event.nbytes,
-                       event.src, event.dst, event.start_ns, event.end_ns, self._step, self._phase))
+            self._put(
+                (
+                    "move",
+                    key if isinstance(key, str) else str(key),
+                    self.block_of(key),
+                    event.nbytes,
+                    event.src,
+                    event.dst,
+                    event.start_ns,
+                    event.end_ns,
+                    self._step,
+                    self._phase,
+                )
+            )
 
     def stall(self, block: str, start_ns: int, end_ns: int, waited_on: str) -> None:
         """Compute waited for `block` over [start_ns, end_ns] on `waited_on` ("nvme->host", "all-gather", ...)."""
@@ -191,8 +224,16 @@ class TraceWriter:
     def use(self, block: str, ready: bool, t_ns: int | None = None) -> None:
         """Compute reached `block`; `ready` when its weights were there without waiting."""
         if self._active:
-            self._put(("use", block, now_ns() if t_ns is None else t_ns, "true" if ready else "false", self._step,
-                       self._phase))
+            self._put(
+                (
+                    "use",
+                    block,
+                    now_ns() if t_ns is None else t_ns,
+                    "true" if ready else "false",
+                    self._step,
+                    self._phase,
+                )
+            )
 
     def pool_exhausted(self, pool: str, wait_ns: int, t_ns: int | None = None) -> None:
         """Buffer pool `pool` ("param", "optimizer") had no free buffer; the caller waited `wait_ns`."""
@@ -238,8 +279,11 @@ class TraceWriter:
                 except (TypeError, ValueError) as exc:  # a bad argument must not stop training
                     self.bad_records += 1
                     if self.bad_records == 1:
-                        warnings.warn(f"profiler: dropped a {record[0]} record with a bad field ({exc}): {record}",
-                                      RuntimeWarning, stacklevel=2)
+                        warnings.warn(
+                            f"profiler: dropped a {record[0]} record with a bad field ({exc}): {record}",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
             if lines:
                 self._file.write("".join(lines))
                 self._file.flush()
@@ -268,7 +312,11 @@ class TraceWriter:
 
 
 def open_trace_writer(
-    config: Any, rank: int, world_size: int, enabled: bool | None = None, raw_disk: dict[str, float] | None = None,
+    config: Any,
+    rank: int,
+    world_size: int,
+    enabled: bool | None = None,
+    raw_disk: dict[str, float] | None = None,
 ) -> TraceWriter | None:
     """A writer for `config.profiler` (an `InfinityConfig`), or None when profiling is off.
 
@@ -279,5 +327,6 @@ def open_trace_writer(
     prof = config.profiler
     if not (prof.enabled if enabled is None else enabled):
         return None
-    return TraceWriter(prof.path, rank, world_size, settings_from_config(config), prof.start_step, prof.end_step,
-                       raw_disk=raw_disk)
+    return TraceWriter(
+        prof.path, rank, world_size, settings_from_config(config), prof.start_step, prof.end_step, raw_disk=raw_disk
+    )
