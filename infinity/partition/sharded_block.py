@@ -21,6 +21,9 @@ class ShardSource(Protocol):
     def release(self, flat: FlatParam) -> None:
         """The shard returned by `acquire` is no longer needed on the device."""
 
+    def prefetch_to_host(self, flats: list[FlatParam]) -> None:
+        """Start reading these shards from slower tiers into host memory, in order, as far as it fits."""
+
 
 class ShardedBlock:
     """One block: its module, its flat parameters, and whether they are gathered or being gathered."""

@@ -85,9 +85,12 @@ class BlockScheduler:
         self.stall_s += time.perf_counter() - start
 
     def _prefetch(self, upcoming: list[int]) -> None:
+        """All-gather the next blocks within the bucket; read the ones after them ahead into host memory."""
         budget = self.prefetch_bucket_elems
         live = self._live_elems()
-        for index in upcoming:
+        rest = upcoming
+        for position, index in enumerate(upcoming):
+            rest = upcoming[position:]
             block = self.blocks[index]
             if block.gathered or block.in_flight:
                 continue
@@ -97,6 +100,11 @@ class BlockScheduler:
             self.prefetches_issued += 1
             budget -= block.numel
             live += block.numel
+        else:
+            rest = []
+        ahead = dict.fromkeys(i for i in rest if not (self.blocks[i].gathered or self.blocks[i].in_flight))
+        if ahead:
+            self.source.prefetch_to_host([f for i in ahead for f in self.blocks[i].flats])
 
     def release_all(self) -> None:
         """Release every gathered block but the persistent one (end of a step or of inference)."""
