@@ -1,0 +1,40 @@
+"""Tiers, budgets and moves of flat shards between device memory, pinned host buffers and NVMe files.
+
+Primitives: `BufferPool` (aligned host buffers), `open_engine` (async direct I/O), `NvmeFile` (one
+preallocated swap file per rank). Policy: `TierStore` (fetch, release, write, prefetch, evict, drop).
+"""
+
+from infinity.storage.aio import AiofilesEngine, DirectEngine, IoHandle, open_engine, supports_direct_io
+from infinity.storage.buffer_pool import ALIGN, BufferPool, aligned_empty, aligned_view, copy_bytes
+from infinity.storage.device_memory import DeviceMemory
+from infinity.storage.errors import BudgetError, StorageError, SwapFileError
+from infinity.storage.moves import FetchHandle, MoveHandle, Tier
+from infinity.storage.nvme_file import NvmeFile
+from infinity.storage.recorder import ListRecorder, MoveEvent, Recorder
+from infinity.storage.tier_store import TierBudgets, TierStore
+
+__all__ = [
+    "ALIGN",
+    "AiofilesEngine",
+    "BudgetError",
+    "BufferPool",
+    "DeviceMemory",
+    "DirectEngine",
+    "FetchHandle",
+    "IoHandle",
+    "ListRecorder",
+    "MoveEvent",
+    "MoveHandle",
+    "NvmeFile",
+    "Recorder",
+    "StorageError",
+    "SwapFileError",
+    "Tier",
+    "TierBudgets",
+    "TierStore",
+    "aligned_empty",
+    "aligned_view",
+    "copy_bytes",
+    "open_engine",
+    "supports_direct_io",
+]

@@ -1,0 +1,45 @@
+"""Events of bytes moving between tiers, and the pluggable recorders that keep them.
+
+The store holds `recorder=None` when recording is off and then builds no event and reads no clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class MoveEvent:
+    """One move of a shard's bytes: `src` and `dst` are tier names ("device", "host", "nvme")."""
+
+    key: Hashable
+    nbytes: int
+    src: str
+    dst: str
+    start_ns: int  # time.perf_counter_ns() when the move was issued
+    end_ns: int  # ... and when it was complete
+    rank: int
+
+
+class Recorder(Protocol):
+    def record(self, event: MoveEvent) -> None: ...
+
+
+class ListRecorder:
+    """Keeps every event in memory, in completion order. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.events: list[MoveEvent] = []
+        self._lock = threading.Lock()
+
+    def record(self, event: MoveEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def clear(self) -> list[MoveEvent]:
+        with self._lock:
+            events, self.events = self.events, []
+        return events

@@ -1,0 +1,357 @@
+"""The move primitives the tier store's policies are built on: allocate, load, write home, free.
+
+A move is issued by the caller under the store's lock (I/O starts at once, nothing blocks there)
+and finished on one background thread in issue order, so a move issued after another that it
+depends on (a copy from a host copy still loading, a read after a write) always finds it done.
+Only allocation may wait, and it never runs under the lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from threading import RLock
+
+import torch
+
+from infinity.config import AioConfig
+from infinity.storage.buffer_pool import BufferPool, aligned_view, copy_bytes, round_up
+from infinity.storage.device_memory import DeviceMemory
+from infinity.storage.errors import StorageError, SwapFileError
+from infinity.storage.moves import Completer, Copy, MoveHandle, Shard, Tier, TierBudgets
+from infinity.storage.nvme_file import NvmeFile
+from infinity.storage.recorder import MoveEvent, Recorder
+
+
+class TierMover:
+    """State and move primitives of `TierStore` (see there for the public contract)."""
+
+    def __init__(
+        self,
+        nvme_path: str | None,
+        aio: AioConfig,
+        budgets: TierBudgets,
+        rank: int,
+        device: torch.device | str,
+        recorder: Recorder | None,
+        pin_memory: bool,
+        wait_timeout_s: float,
+        backend: str | None,
+        nvme_grow_bytes: int,
+    ) -> None:
+        self.rank = rank
+        self.device = torch.device(device)
+        self.budgets = budgets
+        self._recorder = recorder
+        self._lock = RLock()
+        self._shards: dict[Hashable, Shard] = {}
+        # Unreferenced copies above their home, least recently used first: what reclaim may free.
+        self._idle: dict[Tier, OrderedDict[Hashable, Copy]] = {Tier.DEVICE: OrderedDict(), Tier.HOST: OrderedDict()}
+        self._mem = {
+            Tier.DEVICE: DeviceMemory(budgets.device_bytes, self.device, wait_timeout_s),
+            Tier.HOST: BufferPool(budgets.host_bytes, pin_memory, timeout_s=wait_timeout_s),
+        }
+        for tier, mem in self._mem.items():
+            mem.reclaim = lambda _nbytes, t=tier: self._reclaim(t, demand=True)
+        self._file: NvmeFile | None = None
+        self.backend: str | None = None
+        if nvme_path is not None:
+            self._file = NvmeFile(nvme_path, rank, aio, budgets.nvme_bytes, nvme_grow_bytes, backend)
+            self.backend = self._file.engine.backend
+        self._completer = Completer()
+        self._closed = False
+
+    def close(self) -> None:
+        """Finish the moves in flight, then remove the swap file and free every buffer (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._completer.close()
+        if self._file is not None:
+            self._file.close()
+        self._mem[Tier.HOST].close()
+
+    # ---- load: a copy of a shard on the device or host tier ------------------------------------------
+
+    def _load(self, key: Hashable, tier: Tier, wait: bool, prefetched: bool, hold: bool) -> Copy | None:
+        """The copy of `key` on `tier`, loading if absent; None when it does not fit and `wait` is off."""
+        with self._lock:
+            self._check_open()
+            shard = self._get(key)
+            copy = shard.copies.get(tier)
+            if copy is not None:
+                if hold:
+                    self._ref(shard, copy)
+                    copy.prefetched = False
+                return copy
+            staged_needed = tier is Tier.DEVICE and Tier.HOST not in shard.copies
+        staged = None
+        if staged_needed:  # NVMe -> host -> device; the host copy stays cached afterwards
+            staged = self._load(key, Tier.HOST, wait, prefetched=False, hold=True)
+            if staged is None:
+                return None
+        buf = self._alloc(tier, shard.nbytes, wait)
+        with self._lock:
+            # Meanwhile another thread may have loaded the copy, dropped the key, or freed the host copy
+            # a device copy must come from (NVMe reads land in aligned host buffers only).
+            raced = (
+                shard.copies.get(tier) is not None
+                or self._shards.get(key) is not shard
+                or (tier is Tier.DEVICE and Tier.HOST not in shard.copies)
+            )
+            if buf is None or raced:
+                if buf is not None:
+                    self._mem[tier].release(buf)
+                if staged is not None:
+                    self._unref(shard, staged)
+                if self._shards.get(key) is not shard:
+                    raise KeyError(f"{key!r} was dropped while it was being fetched")
+                return None if buf is None else self._load(key, tier, wait, prefetched, hold)
+            copy = shard.copies[tier] = Copy(tier, buf, refs=int(hold), prefetched=prefetched)
+            if not hold:
+                self._idle[tier][key] = copy
+            source = staged or shard.copies.get(Tier.DEVICE if tier is Tier.HOST else Tier.HOST)
+            if source is not None and source is not staged:
+                self._ref(shard, source)
+            t0 = time.perf_counter_ns() if self._recorder is not None else 0
+            # A write in flight is queued ahead of this move; its job reads only after the write is done.
+            io = self._file.read(buf, shard.nvme_offset) if source is None and shard.write_op is None else None
+            self._completer.submit(lambda: self._finish_load(shard, copy, source, io, t0))
+        return copy
+
+    def _finish_load(self, shard: Shard, copy: Copy, source: Copy | None, io, t0: int) -> None:
+        error = None
+        try:
+            if source is None:
+                if shard.lost is not None:
+                    raise SwapFileError(
+                        getattr(shard.lost, "errno", None) or errno.EIO,
+                        f"{shard.key!r} has no valid copy on nvme: its last write failed ({shard.lost})",
+                        self._file.path,
+                    )
+                (io or self._file.read(copy.buf, shard.nvme_offset)).wait()
+            else:
+                if source.error is not None:
+                    raise source.error
+                self._copy_into(copy, source.buf[: shard.nbytes], shard.nbytes)
+        except StorageError as exc:
+            error = self._explain(shard, exc)
+        except BaseException as exc:
+            error = exc
+        with self._lock:
+            if source is not None:
+                self._unref(shard, source)
+            if error is None:
+                self._record(shard, source.tier if source is not None else Tier.NVME, copy.tier, t0)
+            else:
+                copy.error = error
+                if shard.copies.get(copy.tier) is copy:
+                    self._free_copy(shard, copy)
+            copy.ready.set()
+            if error is None and copy.refs == 0:
+                self._mem[copy.tier].poke()  # a waiter may reclaim this copy now that it is loaded
+
+    # ---- write: new contents to the home --------------------------------------------------------------
+
+    def _start_write(
+        self, shard: Shard, flat: torch.Tensor, source: Copy | None, staging: torch.Tensor | None
+    ) -> MoveHandle:
+        """Under the lock: drop the other copies, send `flat` (or `staging`, or the source) home."""
+        others = [c for c in shard.copies.values() if c is not source and not c.home]
+        held = [c.tier.value for c in shard.copies.values() if c is not source and c.refs]  # the home too
+        if held:
+            raise RuntimeError(f"cannot write {shard.key!r}: its copies on {held} are still fetched; release first")
+        for copy in others:
+            self._free_copy(shard, copy)
+        if source is not None and source.home:
+            return MoveHandle(done=True)  # written in place, on the home itself
+        if source is not None:
+            self._ref(shard, source)
+        op = shard.write_op = MoveHandle()
+        t0 = time.perf_counter_ns() if self._recorder is not None else 0
+        src_tier = source.tier if source is not None else Tier.HOST if flat.device.type == "cpu" else Tier.DEVICE
+        io = None
+        if shard.home is Tier.NVME:
+            if staging is not None:
+                io_buf = staging
+            elif source is not None and source.tier is Tier.HOST:
+                io_buf = source.buf
+            else:
+                io_buf = aligned_view(flat)  # the caller's own aligned memory: no staging copy
+            try:
+                io = self._file.write(io_buf, shard.nvme_offset)
+            except BaseException as exc:
+                self._finish_write(shard, op, source, None, exc)  # the caller still owns `staging`
+                raise
+
+        def finish() -> None:
+            error = None
+            try:
+                if io is not None:
+                    io.wait()
+                else:
+                    self._copy_into(shard.copies[shard.home], flat.view(torch.uint8), shard.nbytes)
+            except BaseException as exc:
+                error = exc
+            if error is None:
+                self._record(shard, src_tier, shard.home, t0)
+            self._finish_write(shard, op, source, staging, error)
+
+        self._completer.submit(finish)
+        return op
+
+    def _finish_write(
+        self,
+        shard: Shard,
+        op: MoveHandle,
+        source: Copy | None,
+        staging: torch.Tensor | None,
+        error: BaseException | None,
+    ) -> None:
+        with self._lock:
+            shard.lost = error if shard.home is Tier.NVME else None
+            if staging is not None:
+                self._mem[Tier.HOST].release(staging)
+            if source is not None:
+                self._unref(shard, source)
+            if shard.write_op is op:
+                shard.write_op = None
+        op.finish(error)
+
+    def _rehome(self, shard: Shard, to: Tier) -> None:
+        """Move the home down to `to`, blocking; copies fetched meanwhile stay as caches of the new home."""
+        old = shard.copies[shard.home]
+        fetched = old.tier is Tier.DEVICE  # the bytes go down through a host copy
+        host_copy = self._load(shard.key, Tier.HOST, wait=True, prefetched=False, hold=True) if fetched else old
+        host_copy.ready.wait()
+        if host_copy.error is not None:
+            raise host_copy.error
+        if to is Tier.NVME:
+            offset = self._file.allocate(shard.nbytes)
+            t0 = time.perf_counter_ns() if self._recorder is not None else 0
+            try:
+                self._file.write(host_copy.buf, offset).wait()
+            except BaseException:
+                self._file.free(offset, shard.nbytes)
+                if fetched:
+                    with self._lock:
+                        self._unref(shard, host_copy)
+                raise
+            self._record(shard, Tier.HOST, Tier.NVME, t0)
+        with self._lock:
+            if fetched:
+                host_copy.refs -= 1
+            old.home = False
+            shard.home = to
+            if to is Tier.NVME:
+                shard.nvme_offset = offset
+            else:
+                host_copy.home, host_copy.prefetched = True, False
+                self._idle[Tier.HOST].pop(shard.key, None)
+            for copy in {id(old): old, id(host_copy): host_copy}.values():
+                if not copy.home and copy.refs == 0:
+                    self._free_copy(shard, copy)
+
+    def _copy_into(self, dst: Copy, src: torch.Tensor, nbytes: int) -> None:
+        stream = self._mem[Tier.DEVICE].stream
+        if stream is not None and (dst.buf.is_cuda or src.is_cuda):
+            with torch.cuda.stream(stream):
+                dst.buf[:nbytes].copy_(src, non_blocking=True)
+            stream.synchronize()  # the source buffer may be reused as soon as this returns
+        else:
+            copy_bytes(dst.buf[:nbytes], src)
+
+    # ---- memory: allocate, reclaim, free ------------------------------------------------------------
+
+    def _alloc(self, tier: Tier, nbytes: int, wait: bool) -> torch.Tensor | None:
+        mem = self._mem[tier]
+        if wait:
+            return mem.acquire(nbytes)  # reclaims through the hook, then waits
+        while True:
+            buf = mem.acquire(nbytes, wait=False)
+            if buf is not None or not self._reclaim(tier, demand=False):
+                return buf
+
+    def _reclaim(self, tier: Tier, demand: bool) -> bool:
+        """Free the least recently used cached copy on `tier`; a prefetched one only for a demand, and last."""
+        with self._lock:
+            victim = None
+            for key, copy in self._idle[tier].items():
+                if not copy.ready.is_set() or copy.refs:
+                    continue
+                if not copy.prefetched:
+                    victim = key, copy
+                    break
+                if demand and victim is None:
+                    victim = key, copy
+            if victim is None:
+                return False
+            self._free_copy(self._shards[victim[0]], victim[1])
+            return True
+
+    def _ref(self, shard: Shard, copy: Copy) -> None:
+        copy.refs += 1
+        if self._idle[copy.tier].get(shard.key) is copy:
+            del self._idle[copy.tier][shard.key]  # in use: not reclaimable
+
+    def _unref(self, shard: Shard, copy: Copy) -> None:
+        copy.refs -= 1
+        if copy.refs or copy.home or shard.copies.get(copy.tier) is not copy:
+            return
+        if self._mem[copy.tier].waiting and copy.ready.is_set():
+            self._free_copy(shard, copy)  # someone is waiting for memory: no caching now
+        else:
+            self._idle[copy.tier][shard.key] = copy
+            self._idle[copy.tier].move_to_end(shard.key)
+
+    def _free_copy(self, shard: Shard, copy: Copy) -> None:
+        if shard.copies.get(copy.tier) is not copy:
+            return  # freed already: its memory may belong to another copy by now
+        del shard.copies[copy.tier]
+        if self._idle[copy.tier].get(shard.key) is copy:
+            del self._idle[copy.tier][shard.key]
+        self._mem[copy.tier].release(copy.buf)
+
+    def _free_shard(self, shard: Shard) -> None:
+        for copy in list(shard.copies.values()):
+            self._free_copy(shard, copy)
+        if shard.nvme_offset is not None:
+            self._file.free(shard.nvme_offset, shard.nbytes)
+
+    # ---- helpers --------------------------------------------------------------------------------------
+
+    def _pending(self, shard: Shard) -> Callable[[], object] | None:
+        """A wait for the next move in flight on `shard` (a write, or a load), or None when quiet."""
+        if shard.write_op is not None:
+            return shard.write_op.wait_quietly
+        loading = next((c for c in shard.copies.values() if not c.ready.is_set()), None)
+        return None if loading is None else loading.ready.wait
+
+    def _explain(self, shard: Shard, exc: StorageError) -> StorageError:
+        if isinstance(exc, SwapFileError):
+            return exc
+        diagnosis = self._file.diagnose(shard.nvme_offset + round_up(shard.nbytes)) if self._file else ""
+        cls = SwapFileError if diagnosis else StorageError
+        return cls(
+            exc.errno, f"fetch of {shard.key!r}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename
+        )
+
+    def _record(self, shard: Shard, src: Tier, dst: Tier, t0: int) -> None:
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.record(
+                MoveEvent(shard.key, shard.nbytes, src.value, dst.value, t0, time.perf_counter_ns(), self.rank)
+            )
+
+    def _get(self, key: Hashable) -> Shard:
+        shard = self._shards.get(key)
+        if shard is None:
+            raise KeyError(f"{key!r} is not in the store")
+        return shard
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the TierStore is closed")

@@ -1,0 +1,327 @@
+"""A store of keyed flat shards, each with a home tier, moved between device, host and NVMe in budgets.
+
+Copies above a key's home are caches. `fetch` makes one (or shares the one there, counting
+references); `release` drops a reference and leaves the copy cached until memory is needed (freed
+at once if someone is waiting for memory); `write` sends new contents to the home and drops the
+other copies; `prefetch` loads keys in order while they fit without waiting; `evict` frees cached
+copies or moves the home down; `drop` forgets a key. Live bytes per tier never exceed the budgets
+(`stats` keeps the high-water marks). All methods are thread-safe.
+
+On a machine without CUDA the "device" tier is CPU memory with its own budget, so the same logic
+runs everywhere; with CUDA, copies to the device run on a side stream into device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig
+from infinity.storage.buffer_pool import aligned_view, copy_bytes
+from infinity.storage.moves import RANK, Copy, FetchHandle, MoveHandle, Shard, Tier, TierBudgets
+from infinity.storage.recorder import Recorder
+from infinity.storage.tier_moves import TierMover
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError("shards must be contiguous tensors; call .contiguous() first")
+    if tensor.numel() == 0:
+        raise ValueError("shards must hold at least one element")
+    return tensor.reshape(-1)
+
+
+class TierStore(TierMover):
+    """Keyed shards on the "device", "host" and "nvme" tiers; see the module docstring for the contract.
+
+    `nvme_path` None: no NVMe tier. A missing, unwritable or full path raises `StorageError` here,
+    naming the path and its free space. The swap file is removed by close(), the context manager,
+    or at interpreter exit. `wait_timeout_s` bounds every wait for memory (then `BudgetError`).
+    """
+
+    def __init__(
+        self,
+        nvme_path: str | None,
+        aio: AioConfig,
+        budgets: TierBudgets,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+        recorder: Recorder | None = None,
+        pin_memory: bool = False,
+        wait_timeout_s: float = 300.0,
+        backend: str | None = None,
+        nvme_grow_bytes: int = 256 << 20,
+    ) -> None:
+        super().__init__(
+            nvme_path, aio, budgets, rank, device, recorder, pin_memory, wait_timeout_s, backend, nvme_grow_bytes
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        offload_param: OffloadParamConfig,
+        offload_optimizer: OffloadOptimizerConfig,
+        aio: AioConfig,
+        budgets: TierBudgets,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+        recorder: Recorder | None = None,
+    ) -> TierStore:
+        """A store for the offload sections: one nvme_path shared by both, pinned if either asks."""
+        paths = {}
+        for name, section in (("offload_param", offload_param), ("offload_optimizer", offload_optimizer)):
+            if section.device == "nvme":
+                if not section.nvme_path:
+                    raise ConfigError(f"'zero_optimization.{name}.nvme_path' is required when its device is 'nvme'")
+                paths[name] = section.nvme_path
+        if len(set(paths.values())) > 1:
+            raise ConfigError(
+                f"offload_param and offload_optimizer name different nvme_path values {paths}; "
+                "one TierStore uses one path: give both the same path or build one store each"
+            )
+        pin = offload_param.pin_memory or offload_optimizer.pin_memory
+        path = next(iter(paths.values()), None)
+        return cls(path, aio, budgets, rank=rank, device=device, recorder=recorder, pin_memory=pin)
+
+    def put(self, key: Hashable, tensor: torch.Tensor, home: Tier | str) -> MoveHandle:
+        """Store a copy of `tensor` (any dtype, contiguous) under a new key whose home is `home`.
+
+        Like `write`, the store may read `tensor` until the returned handle is done.
+        """
+        home = Tier(home)
+        flat = _flat(tensor)
+        shard = Shard(key, flat.numel(), flat.dtype, flat.numel() * flat.element_size(), home)
+        with self._lock:
+            self._check_open()
+            if key in self._shards:
+                raise KeyError(f"{key!r} is already stored; write() replaces its contents")
+        if home is Tier.NVME and self._file is None:
+            raise ValueError(f"cannot put {key!r} on nvme: this store has no nvme_path")
+        staging = None
+        try:
+            if home is Tier.NVME:
+                shard.nvme_offset = self._file.allocate(shard.nbytes)
+                if aligned_view(flat) is None:  # O_DIRECT needs 4 KiB-aligned memory: stage a copy
+                    staging = self._alloc(Tier.HOST, shard.nbytes, wait=True)
+                    copy_bytes(staging[: shard.nbytes], flat)
+            else:
+                shard.copies[home] = Copy(home, self._alloc(home, shard.nbytes, wait=True), home=True)
+            with self._lock:  # registered and written in one step: no one sees the key before its write
+                if key in self._shards:
+                    raise KeyError(f"{key!r} was stored by another thread meanwhile")
+                self._shards[key] = shard
+                try:
+                    handle = self._start_write(shard, flat, None, staging)
+                except BaseException:
+                    del self._shards[key]
+                    raise
+                staging = None  # the write owns it now
+                return handle
+        except BaseException:
+            with self._lock:
+                self._free_shard(shard)
+            raise
+        finally:
+            if staging is not None:
+                self._mem[Tier.HOST].release(staging)
+
+    def fetch(self, key: Hashable, tier: Tier | str) -> FetchHandle:
+        """Start bringing `key` to "device" or "host"; the handle's wait() gives the tensor there.
+
+        A copy already there (or on its way) is shared at once. Each fetch holds one reference until
+        `release(key, tier)`; a fetch whose wait() raised holds none. Waits while the tier is full.
+        """
+        tier = self._target(tier)
+        with self._lock:
+            shard = self._get(key)
+        copy = self._load(key, tier, wait=True, prefetched=False, hold=True)
+        with self._lock:  # a later write sees this reference and refuses; an earlier one is waited for
+            return FetchHandle(shard, copy, shard.write_op if copy.home else None)
+
+    def release(self, key: Hashable, tier: Tier | str) -> None:
+        """The caller is done with one fetched copy: it stays cached until memory is needed."""
+        tier = Tier(tier)
+        with self._lock:
+            shard = self._shards.get(key)
+            copy = shard.copies.get(tier) if shard is not None else None
+            if copy is None:
+                return  # its fetch failed (no reference was held) or the key was dropped
+            if copy.refs <= 0:
+                raise RuntimeError(f"release of {key!r} on {tier.value} without a fetch to match it")
+            self._unref(shard, copy)
+
+    def write(self, key: Hashable, tensor: torch.Tensor) -> MoveHandle:
+        """Send new contents for `key` to its home, asynchronously; its other copies are dropped.
+
+        Writing a fetched copy in place keeps that copy. To NVMe, a host copy or any 4 KiB-aligned
+        CPU tensor (`aligned_empty`) is written in place; other tensors through a staging buffer.
+        Do not modify `tensor` until the handle is done. Raises if another copy of the key is still
+        fetched. A failed write to NVMe makes later fetches from there raise until a write succeeds.
+        """
+        flat = _flat(tensor)
+        staging = None
+        try:
+            while True:
+                with self._lock:
+                    shard = self._get(key)
+                    if flat.numel() != shard.numel or flat.dtype != shard.dtype:
+                        raise ValueError(
+                            f"write of {key!r}: got {flat.numel()} x {flat.dtype}, stored {shard.numel} x {shard.dtype}"
+                        )
+                    pending = self._pending(shard)
+                    if pending is None:
+                        source = next(
+                            (
+                                c
+                                for c in shard.copies.values()
+                                if c.buf.data_ptr() == flat.data_ptr() and c.buf.device == flat.device
+                            ),
+                            None,
+                        )
+                        staged = (
+                            shard.home is Tier.NVME
+                            and (source is None or source.tier is not Tier.HOST)
+                            and aligned_view(flat) is None
+                        )
+                        if staged == (staging is not None):
+                            handle = self._start_write(shard, flat, source, staging)
+                            staging = None  # the write owns it now
+                            return handle
+                if pending is not None:
+                    pending()
+                elif staging is None:  # O_DIRECT needs an aligned host buffer; allocating may wait
+                    staging = self._alloc(Tier.HOST, shard.nbytes, wait=True)
+                    copy_bytes(staging[: shard.nbytes], flat)
+                else:
+                    self._mem[Tier.HOST].release(staging)
+                    staging = None
+        finally:
+            if staging is not None:
+                self._mem[Tier.HOST].release(staging)
+
+    def prefetch(self, keys: Iterable[Hashable], tier: Tier | str) -> list[Hashable]:
+        """Start loading `keys` to `tier` in order, holding no references, while they fit without waiting.
+
+        Copies already there are kept from eviction. Stops at the first key that does not fit (never
+        over budget, never waits); returns the keys that are there or on their way. Prefetched copies
+        are evicted only after plain cached ones, and only for a fetch that would otherwise wait.
+        """
+        tier = self._target(tier)
+        keys = list(keys)
+        with self._lock:
+            for key in keys:
+                copy = self._get(key).copies.get(tier)
+                if copy is not None and key in self._idle[tier]:
+                    copy.prefetched = True
+                    self._idle[tier].move_to_end(key)
+        started = []
+        for key in keys:
+            if self._load(key, tier, wait=False, prefetched=True, hold=False) is None:
+                break
+            started.append(key)
+        return started
+
+    def evict(self, key: Hashable, to: Tier | str | None = None) -> None:
+        """Free the key's unreferenced cached copies; with `to` below its home, move the home down there.
+
+        Moving the home blocks until the bytes are there, and needs the old home copy unreferenced.
+        """
+        to = None if to is None else Tier(to)
+        while True:
+            with self._lock:
+                shard = self._get(key)
+                pending = self._pending(shard)
+                if pending is None:
+                    for copy in list(shard.copies.values()):
+                        if not copy.home and copy.refs == 0:
+                            self._free_copy(shard, copy)
+                    if to is None or to is shard.home:
+                        return
+                    if RANK[to] < RANK[shard.home]:
+                        raise ValueError(f"evict moves down; {to.value} is above {key!r}'s home {shard.home.value}")
+                    if shard.copies[shard.home].refs:
+                        raise RuntimeError(f"cannot move {key!r} down: its home copy is still fetched")
+                    op = shard.write_op = MoveHandle()  # writes and drops of the key wait for the move
+                    break
+            pending()
+        try:
+            self._rehome(shard, to)
+        finally:
+            with self._lock:
+                shard.write_op = None
+            op.finish()
+
+    def drop(self, key: Hashable) -> None:
+        """Forget `key` and free its space on every tier, once its moves in flight are done."""
+        while True:
+            with self._lock:
+                shard = self._get(key)
+                pending = self._pending(shard)
+                if pending is None:
+                    held = [c.tier.value for c in shard.copies.values() if c.refs]
+                    if held:
+                        raise RuntimeError(f"cannot drop {key!r}: fetched copies on {held} are still in use")
+                    del self._shards[key]
+                    self._free_shard(shard)
+                    return
+            pending()
+
+    def live_bytes(self, tier: Tier | str) -> int:
+        """Bytes held on `tier` now: copies, staging buffers and NVMe slots (padded to 4 KiB off the device)."""
+        tier = Tier(tier)
+        if tier is Tier.NVME:
+            return self._file.used_bytes if self._file is not None else 0
+        return self._mem[tier].live_bytes
+
+    def high_water_bytes(self, tier: Tier | str) -> int:
+        """The most `live_bytes(tier)` has been; never above that tier's budget."""
+        tier = Tier(tier)
+        if tier is Tier.NVME:
+            return self._file.high_water_bytes if self._file is not None else 0
+        return self._mem[tier].high_water_bytes
+
+    def stats(self) -> dict[str, dict[str, int | None]]:
+        """Per tier: live bytes, high-water mark and budget."""
+        budgets = {
+            Tier.DEVICE: self.budgets.device_bytes,
+            Tier.HOST: self.budgets.host_bytes,
+            Tier.NVME: self.budgets.nvme_bytes,
+        }
+        return {
+            t.value: {
+                "live_bytes": self.live_bytes(t),
+                "high_water_bytes": self.high_water_bytes(t),
+                "budget_bytes": budgets[t],
+            }
+            for t in Tier
+        }
+
+    def resident(self, key: Hashable) -> list[str]:
+        """The tiers holding a loaded copy of `key`, its home included, fastest first."""
+        with self._lock:
+            shard = self._get(key)
+            tiers = {t for t, c in shard.copies.items() if c.ready.is_set() and c.error is None} | {shard.home}
+            return [t.value for t in sorted(tiers, key=RANK.get)]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._shards
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    @property
+    def swap_path(self) -> str | None:
+        return self._file.path if self._file is not None else None
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _target(self, tier: Tier | str) -> Tier:
+        tier = Tier(tier)
+        if tier is Tier.NVME:
+            raise ValueError("fetch and prefetch bring keys to 'device' or 'host'; evict(key, 'nvme') moves one down")
+        return tier

@@ -1,0 +1,355 @@
+"""The tier store on real files: round trips, reference counts, budgets, eviction and prefetch order."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig
+from infinity.storage import (
+    ALIGN,
+    BudgetError,
+    ListRecorder,
+    Tier,
+    TierBudgets,
+    TierStore,
+    aligned_empty,
+    aligned_view,
+)
+
+pytest_plugins = ["storage_fixtures"]  # real directories: a direct-I/O disk, mounts that refuse it
+MiB = 1 << 20
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
+
+
+def _shard(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (numel,), dtype=dtype)
+    return torch.randn(numel).to(dtype)
+
+
+def _store(path: Path | None, recorder=None, **budgets) -> TierStore:
+    return TierStore(
+        None if path is None else str(path),
+        AioConfig(),
+        TierBudgets(**budgets),
+        recorder=recorder,
+        wait_timeout_s=10,
+        nvme_grow_bytes=8 * MiB,
+    )
+
+
+@pytest.mark.parametrize("home", ["nvme", "host", "device"])
+def test_round_trip_of_every_dtype_and_odd_size_through_every_tier(disk_dir: Path, home: str) -> None:
+    with _store(disk_dir) as store:
+        shards = {}
+        for i in range(24):
+            dtype = DTYPES[i % len(DTYPES)]
+            numel = random.choice([1, 3, 1000, 4097, 65_537, random.randrange(1, 400_000)])
+            shards[i] = _shard(numel, dtype)
+            store.put(i, shards[i], home)
+        for key in random.sample(list(shards), len(shards)):
+            for tier in ("device", "host"):
+                got = store.fetch(key, tier).wait()
+                assert got.dtype == shards[key].dtype and torch.equal(got, shards[key])
+                store.release(key, tier)
+        assert home in store.resident(0)
+
+
+def test_fetch_of_a_resident_key_is_shared_and_reference_counted(disk_dir: Path) -> None:
+    recorder = ListRecorder()
+    with _store(disk_dir, recorder) as store:
+        store.put("w", _shard(10_000, torch.float32), "nvme").wait()
+        a = store.fetch("w", "device").wait()
+        moves = len(recorder.events)
+        second = store.fetch("w", "device")
+        assert second.done()  # resident: at once, no I/O
+        b = second.wait()
+        assert b.data_ptr() == a.data_ptr() and len(recorder.events) == moves
+        store.release("w", "device")
+        store.release("w", "device")
+        with pytest.raises(RuntimeError, match="without a fetch"):
+            store.release("w", "device")
+
+
+def test_concurrent_fetches_never_exceed_any_budget(disk_dir: Path) -> None:
+    budgets = {"device_bytes": 3 * MiB, "host_bytes": 4 * MiB, "nvme_bytes": 64 * MiB}
+    with _store(disk_dir, **budgets) as store:
+        shards = {i: _shard(random.randrange(50_000, 250_000), torch.float32) for i in range(40)}
+        for key, t in shards.items():
+            store.put(key, t, "nvme").wait()
+        errors = []
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(40):
+                    key, tier = rng.choice(list(shards)), rng.choice(["device", "host"])
+                    got = store.fetch(key, tier).wait()
+                    assert torch.equal(got, shards[key])
+                    store.release(key, tier)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        stats = store.stats()
+        for tier, limit in (("device", 3 * MiB), ("host", 4 * MiB), ("nvme", 64 * MiB)):
+            assert 0 < stats[tier]["high_water_bytes"] <= limit, (tier, stats)
+
+
+def test_eviction_frees_the_least_recently_released_copy_first(disk_dir: Path) -> None:
+    recorder = ListRecorder()
+    nbytes = 256 * 1024  # a host budget of 2 shards
+    with _store(disk_dir, recorder, host_bytes=2 * nbytes) as store:
+        for key in "abc":
+            store.put(key, _shard(nbytes // 4, torch.float32), "nvme").wait()
+        for key in "ab":
+            store.fetch(key, "host").wait()
+            store.release(key, "host")
+        store.fetch("a", "host").wait()  # a is used again: b is now the least recent
+        store.release("a", "host")
+        store.fetch("c", "host").wait()
+        store.release("c", "host")
+        assert "host" in store.resident("a") and "host" not in store.resident("b")
+        recorder.clear()
+        store.fetch("a", "host").wait()  # still cached: no move
+        assert recorder.events == []
+        assert store.high_water_bytes("host") <= 2 * nbytes
+
+
+def test_prefetch_loads_in_order_and_stops_at_the_budget(disk_dir: Path) -> None:
+    recorder = ListRecorder()
+    nbytes = 512 * 1024
+    with _store(disk_dir, recorder, device_bytes=2 * nbytes, host_bytes=3 * nbytes) as store:
+        keys = [f"block{i}" for i in range(5)]
+        for key in keys:
+            store.put(key, _shard(nbytes // 4, torch.float32), "nvme").wait()
+        recorder.clear()
+        started = store.prefetch(keys, "device")
+        assert started == keys[:2]  # room for two on the device; never waits, never overshoots
+        for key in started:
+            store.fetch(key, "device").wait()
+        to_device = [e.key for e in recorder.events if e.dst == "device"]
+        assert to_device == keys[:2]
+        assert store.high_water_bytes("device") <= 2 * nbytes
+        # A later prefetch does not evict copies still in use, and keeps the ones it already has.
+        assert store.prefetch(keys[1:], "device") == [keys[1]]
+        store.release(keys[0], "device")
+        assert store.prefetch(keys[1:], "device") == keys[1:3]
+        assert "device" not in store.resident(keys[0])  # released, then evicted for the prefetch
+        recorder.clear()
+        store.fetch(keys[2], "device").wait()
+        assert [e.key for e in recorder.events if e.dst == "device"] in ([], [keys[2]])  # loaded by the prefetch
+        assert store.high_water_bytes("device") <= 2 * nbytes
+
+
+def test_prefetched_copies_are_hits_for_the_fetch_that_follows(disk_dir: Path) -> None:
+    recorder = ListRecorder()
+    with _store(disk_dir, recorder) as store:
+        t = _shard(300_000, torch.bfloat16)
+        store.put("x", t, "nvme").wait()
+        store.prefetch(["x"], "device")
+        store.fetch("x", "device").wait()
+        moves = [(e.src, e.dst) for e in recorder.events if e.key == "x"]
+        assert moves == [("host", "nvme"), ("nvme", "host"), ("host", "device")]
+
+
+def test_write_of_a_fetched_host_copy_goes_home_and_drops_stale_copies(disk_dir: Path) -> None:
+    with _store(disk_dir) as store:
+        store.put("m", _shard(100_000, torch.float32), "nvme").wait()
+        store.fetch("m", "device").wait()
+        store.release("m", "device")
+        master = store.fetch("m", "host").wait()
+        master.mul_(2).add_(1)  # an optimizer step in place
+        expected = master.clone()
+        store.write("m", master).wait()
+        assert "device" not in store.resident("m")  # the old device copy is stale: dropped
+        store.release("m", "host")
+        store.evict("m")
+        assert store.resident("m") == ["nvme"]
+        assert torch.equal(store.fetch("m", "device").wait(), expected)
+
+
+def test_write_refuses_while_another_copy_is_in_use(disk_dir: Path) -> None:
+    with _store(disk_dir) as store:
+        store.put("p", _shard(1000, torch.float16), "host").wait()
+        store.fetch("p", "device").wait()
+        with pytest.raises(RuntimeError, match="still fetched"):
+            store.write("p", _shard(1000, torch.float16))
+        store.release("p", "device")
+        new = _shard(1000, torch.float16)
+        store.write("p", new).wait()
+        assert torch.equal(store.fetch("p", "device").wait(), new)
+
+
+def test_evict_moves_the_home_down_and_drop_frees_every_tier(disk_dir: Path) -> None:
+    with _store(disk_dir, device_bytes=MiB, host_bytes=MiB) as store:
+        t = _shard(50_000, torch.float32)
+        store.put("g", t, "device").wait()
+        assert store.live_bytes("device") == t.numel() * 4
+        store.evict("g", "host")
+        assert store.resident("g") == ["host"] and store.live_bytes("device") == 0
+        store.evict("g", "nvme")
+        assert store.resident("g") == ["nvme"] and store.live_bytes("host") == 0
+        assert torch.equal(store.fetch("g", "host").wait(), t)
+        with pytest.raises(RuntimeError, match="still in use"):
+            store.drop("g")
+        store.release("g", "host")
+        store.drop("g")
+        assert "g" not in store
+        assert [store.live_bytes(tier) for tier in Tier] == [0, 0, 0]
+
+
+def test_a_fetch_waits_for_memory_that_another_thread_releases(disk_dir: Path) -> None:
+    with _store(disk_dir, device_bytes=MiB) as store:
+        for key in "ab":
+            store.put(key, _shard(MiB // 4, torch.float32), "host").wait()
+        store.fetch("a", "device").wait()
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(store.fetch("b", "device").wait()))
+        waiter.start()
+        waiter.join(0.3)
+        assert not got  # blocked: the budget holds one shard and "a" is in use
+        store.release("a", "device")
+        waiter.join(5)
+        assert got and store.high_water_bytes("device") <= MiB
+
+
+def test_a_shard_larger_than_a_budget_fails_at_once_and_the_store_goes_on(disk_dir: Path) -> None:
+    with _store(disk_dir, device_bytes=MiB) as store:
+        store.put("big", _shard(MiB, torch.float32), "host").wait()
+        store.put("small", _shard(1000, torch.float32), "host").wait()
+        with pytest.raises(BudgetError, match="can never fit"):
+            store.fetch("big", "device")
+        store.fetch("small", "device").wait()
+
+
+def test_every_move_is_recorded_with_key_bytes_tiers_times_and_rank(disk_dir: Path) -> None:
+    recorder = ListRecorder()
+    with TierStore(str(disk_dir), AioConfig(), TierBudgets(), rank=3, recorder=recorder) as store:
+        store.put("k", _shard(12_345, torch.float16), "nvme").wait()
+        store.fetch("k", "device").wait()
+    events = recorder.events
+    assert [(e.src, e.dst) for e in events] == [("host", "nvme"), ("nvme", "host"), ("host", "device")]
+    assert all(e.key == "k" and e.nbytes == 12_345 * 2 and e.rank == 3 and 0 < e.start_ns <= e.end_ns for e in events)
+
+
+def test_nvme_slots_sit_at_aligned_offsets_of_one_preallocated_file(disk_dir: Path) -> None:
+    with _store(disk_dir) as store:
+        for i in range(10):
+            store.put(i, _shard(random.randrange(1, 100_000), torch.uint8), "nvme").wait()
+        files = list(disk_dir.iterdir())
+        assert files == [Path(store.swap_path)]
+        assert all(store._shards[i].nvme_offset % ALIGN == 0 for i in range(10))
+        assert Path(store.swap_path).stat().st_size >= 8 * MiB  # grown in chunks, not per shard
+
+
+def test_aiofiles_backend_serves_a_store_where_direct_io_is_refused(no_direct_io_dir: Path) -> None:
+    with _store(no_direct_io_dir) as store:
+        assert store.backend == "aiofiles"
+        t = _shard(77_777, torch.bfloat16)
+        store.put("a", t, "nvme").wait()
+        assert torch.equal(store.fetch("a", "device").wait(), t)
+
+
+def test_from_config_takes_the_nvme_path_and_refuses_two_paths(disk_dir: Path) -> None:
+    param = OffloadParamConfig(device="nvme", nvme_path=str(disk_dir))
+    with TierStore.from_config(param, OffloadOptimizerConfig(), AioConfig(), TierBudgets()) as store:
+        assert store.swap_path.startswith(str(disk_dir))
+    with pytest.raises(ConfigError, match="nvme_path"):
+        TierStore.from_config(OffloadParamConfig(device="nvme"), OffloadOptimizerConfig(), AioConfig(), TierBudgets())
+    other = OffloadOptimizerConfig(device="nvme", nvme_path=str(disk_dir / "elsewhere"))
+    with pytest.raises(ConfigError, match="different nvme_path"):
+        TierStore.from_config(param, other, AioConfig(), TierBudgets())
+
+
+def test_a_store_without_nvme_keeps_device_and_host_tiers() -> None:
+    with _store(None, device_bytes=MiB, host_bytes=MiB) as store:
+        t = _shard(1000, torch.float32)
+        store.put("a", t, "host").wait()
+        assert torch.equal(store.fetch("a", "device").wait(), t)
+        with pytest.raises(ValueError, match="no nvme_path"):
+            store.put("b", t, "nvme")
+
+
+def test_aligned_host_tensors_are_written_in_place_and_others_through_staging(disk_dir: Path) -> None:
+    with _store(disk_dir, host_bytes=MiB) as store:
+        aligned = aligned_empty(5000 * 4).view(torch.float32)  # 20_000 bytes: padded on disk, in place
+        aligned.copy_(torch.randn(5000))
+        unaligned = torch.randn(5001)[1:]
+        assert aligned_view(aligned) is not None and aligned_view(unaligned) is None
+        store.put("a", aligned, "nvme").wait()
+        store.put("u", unaligned, "nvme").wait()
+        assert store.high_water_bytes("host") == 20_480  # the staging copy of "u" only
+        assert torch.equal(store.fetch("a", "host").wait(), aligned)
+        assert torch.equal(store.fetch("u", "host").wait(), unaligned)
+
+
+def test_mixed_concurrent_moves_keep_every_key_whole_and_every_budget(disk_dir: Path) -> None:
+    """Readers, writers, prefetch, evict and drop/put race for 3 s; each read sees one whole version."""
+    budgets = {"device_bytes": 2 * MiB, "host_bytes": 6 * MiB, "nvme_bytes": 64 * MiB}
+    with _store(disk_dir, **budgets) as store:
+        sizes = {k: random.randrange(1000, 150_000) for k in range(16)}
+        versions = {k: 0 for k in sizes}
+        for k, n in sizes.items():
+            store.put(k, torch.full((n,), k * 1000.0), "host" if k % 3 == 0 else "nvme").wait()
+        deadline = time.monotonic() + 3
+        errors = []
+
+        def whole(k: int, t: torch.Tensor) -> None:
+            v = float(t[0])
+            assert bool((t == v).all()) and 0 <= v - k * 1000 <= versions[k], (k, v)
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            mine = [k for k in sizes if k % 4 == seed]  # each key has one writer
+            while time.monotonic() < deadline and not errors:
+                try:
+                    r = rng.random()
+                    if r < 0.6:
+                        k, tier = rng.randrange(len(sizes)), rng.choice(["device", "host"])
+                        whole(k, store.fetch(k, tier).wait())
+                        store.release(k, tier)
+                    elif r < 0.8:
+                        k = rng.choice(mine)
+                        versions[k] += 1
+                        store.write(k, torch.full((sizes[k],), k * 1000.0 + versions[k])).wait()
+                    elif r < 0.9:
+                        store.prefetch(rng.sample(list(sizes), 4), rng.choice(["device", "host"]))
+                    elif r < 0.95:
+                        store.evict(rng.randrange(len(sizes)))
+                    else:
+                        k = rng.choice(mine)
+                        store.drop(k)
+                        versions[k] += 1
+                        store.put(k, torch.full((sizes[k],), k * 1000.0 + versions[k]), rng.choice(["host", "nvme"]))
+                except KeyError:
+                    pass  # a key dropped by its writer, about to come back
+                except RuntimeError as exc:
+                    if "still" not in str(exc):  # write/drop refused while another thread holds a copy
+                        errors.append(exc)
+                except BaseException as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        for k in sizes:
+            whole(k, store.fetch(k, "host").wait())
+            store.release(k, "host")
+        stats = store.stats()
+        for tier, limit in budgets.items():
+            assert stats[tier.split("_")[0]]["high_water_bytes"] <= limit

@@ -1,0 +1,170 @@
+"""Swap bandwidth through the TierStore against the disk's raw direct-I/O bandwidth measured by fio.
+
+For each shard size, store runs and fio runs are interleaved and repeated (the disk is noisy) and
+medians are reported. Store write: `write()` of new contents for every key from 4 KiB-aligned
+host memory, written in place as host copies are (steady state: the slots exist, as after the
+first optimizer step); write_staged: the same from an unaligned tensor, through a staging copy.
+Store read: `fetch(key, "host")` in key order with a prefetch window, then `release`. fio: the
+same bytes, sequential, the engine's block size, libaio at --fio-iodepth. Every file is removed
+at the end. The last line is one JSON object.
+
+    python tools/bench_swap.py [--size-gib G] [--shard-mib 1 8 64] [--repeats 3] [--dir PATH] --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from infinity.config import AioConfig
+from infinity.config.schema import parse_section
+from infinity.storage import TierBudgets, TierStore, aligned_empty
+
+MiB = 1 << 20
+
+
+def fio_available() -> str | None:
+    """fio's version string, or None when it is not installed."""
+    if shutil.which("fio") is None:
+        return None
+    return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def fio_gbps(path: Path, rw: str, size: int, block: int, iodepth: int) -> float:
+    cmd = [
+        "fio", "--name=raw", f"--filename={path}", f"--size={size}", f"--bs={block}", "--direct=1", f"--rw={rw}",
+        "--ioengine=libaio", f"--iodepth={iodepth}", "--output-format=json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    job = json.loads(done.stdout)["jobs"][0]
+    return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def store_write_gbps(store: TierStore, keys: list[int], source: torch.Tensor) -> float:
+    start = time.perf_counter()
+    handles = [store.write(key, source) for key in keys]  # staging buffers bound how many are in flight
+    for handle in handles:
+        handle.wait()
+    return len(keys) * source.numel() / (time.perf_counter() - start) / 1e9
+
+
+def store_read_gbps(store: TierStore, keys: list[int], shard_bytes: int, window: int) -> float:
+    for key in keys:
+        store.evict(key)  # cold: every byte comes from the disk
+    start = time.perf_counter()
+    for i, key in enumerate(keys):
+        store.prefetch(keys[i + 1 : i + 1 + window], "host")
+        store.fetch(key, "host").wait()
+        store.release(key, "host")
+    return len(keys) * shard_bytes / (time.perf_counter() - start) / 1e9
+
+
+def bench_shard_size(workdir: Path, aio: AioConfig, shard_bytes: int, total_bytes: int, repeats: int,
+                     window: int, fio_depth: int, use_fio: bool) -> dict:
+    keys = list(range(max(1, total_bytes // shard_bytes)))
+    size = len(keys) * shard_bytes
+    source = aligned_empty(shard_bytes)  # aligned host memory: written in place, as host copies are
+    source.copy_(torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8))
+    unaligned = torch.empty(shard_bytes + 64, dtype=torch.uint8)[64:]  # goes through a staging copy
+    unaligned.copy_(source)
+    host_budget = (window + 2) * shard_bytes
+    samples: dict[str, list[float]] = {"write": [], "read": [], "raw_write": [], "raw_read": [], "write_staged": []}
+    fio_file = workdir / "fio.dat"
+    with TierStore(str(workdir), aio, TierBudgets(host_bytes=host_budget)) as store:
+        for key in keys:  # lay the slots out once; the timed writes overwrite them, as training does
+            store.put(key, source, "nvme")
+        if use_fio:
+            fio_gbps(fio_file, "write", size, aio.block_size, fio_depth)  # lay out fio's file the same way
+        for _ in range(repeats):
+            if use_fio:
+                samples["raw_write"].append(fio_gbps(fio_file, "write", size, aio.block_size, fio_depth))
+            samples["write"].append(store_write_gbps(store, keys, source))
+            samples["write_staged"].append(store_write_gbps(store, keys, unaligned))
+            if use_fio:
+                samples["raw_read"].append(fio_gbps(fio_file, "read", size, aio.block_size, fio_depth))
+            samples["read"].append(store_read_gbps(store, keys, shard_bytes, window))
+        check = store.fetch(keys[-1], "host").wait()
+        if not torch.equal(check[:shard_bytes], source):
+            raise RuntimeError("read back different bytes than were written")
+        store.release(keys[-1], "host")
+        backend = store.backend
+    fio_file.unlink(missing_ok=True)
+    med = {name: statistics.median(values) if values else None for name, values in samples.items()}
+    return {
+        "shard_mib": shard_bytes / MiB,
+        "shards": len(keys),
+        "bytes": size,
+        "write_gbps": round(med["write"], 3),
+        "read_gbps": round(med["read"], 3),
+        "raw_write_gbps": None if med["raw_write"] is None else round(med["raw_write"], 3),
+        "raw_read_gbps": None if med["raw_read"] is None else round(med["raw_read"], 3),
+        "fraction_of_raw_write": None if med["raw_write"] is None else round(med["write"] / med["raw_write"], 3),
+        "fraction_of_raw_read": None if med["raw_read"] is None else round(med["read"] / med["raw_read"], 3),
+        "write_staged_gbps": round(med["write_staged"], 3),
+        "prefetch_window": window,
+        "host_budget_bytes": host_budget,
+        "backend": backend,
+        "samples_gbps": {name: [round(v, 3) for v in values] for name, values in samples.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gib", type=float, default=2.0, help="bytes written and read per run")
+    parser.add_argument("--shard-mib", type=float, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved store/fio runs; medians reported")
+    parser.add_argument("--dir", default=None, help="a directory on the disk to measure (default: the repo's)")
+    parser.add_argument("--window", type=int, default=4, help="shards prefetched ahead while reading")
+    parser.add_argument("--fio-iodepth", type=int, default=32)
+    parser.add_argument("--aio", default="{}", help='aio section as JSON, e.g. \'{"queue_depth": 16}\'')
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args(argv)
+
+    aio = parse_section(AioConfig, json.loads(args.aio), "aio")
+    fio = fio_available()
+    base = Path(args.dir) if args.dir else Path(__file__).resolve().parent.parent
+    workdir = Path(tempfile.mkdtemp(prefix=".bench-swap-", dir=base))
+    results = {}
+    try:
+        for shard_mib in args.shard_mib:
+            shard_bytes = int(shard_mib * MiB)
+            res = bench_shard_size(workdir, aio, shard_bytes, int(args.size_gib * (1 << 30)), args.repeats,
+                                   args.window, args.fio_iodepth, fio is not None)
+            results[f"{shard_mib:g}"] = res
+            if not args.json:
+                print(f"{shard_mib:g} MiB shards: " + json.dumps({k: v for k, v in res.items() if k != "samples_gbps"}),
+                      file=sys.stderr)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    headline = results.get("8") or next(iter(results.values()))
+    out = {
+        **{k: headline[k] for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
+                                    "fraction_of_raw_write", "fraction_of_raw_read", "backend")},
+        "headline_shard_mib": headline["shard_mib"],
+        "per_shard_mib": results,
+        "aio": dataclasses.asdict(aio),
+        "size_gib": args.size_gib,
+        "repeats": args.repeats,
+        "fio": fio or "not installed (apt-get install fio): raw_* and fraction_* are null",
+        "fio_settings": {"ioengine": "libaio", "bs": aio.block_size, "iodepth": args.fio_iodepth, "direct": 1,
+                         "rw": "write/read (sequential)"},
+        "directory": str(base),
+        "cpu_count": os.cpu_count(),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
