@@ -2,9 +2,22 @@
 
 `save_checkpoint(engine, dir, tag)` writes `dir/tag/` under a temporary name, with a manifest of
 every file's size and SHA-256, fsyncs and renames it; rank 0 then points `dir/latest` at the tag,
-after every rank has finished. A crash at any moment leaves the previous checkpoint loadable.
-`load_checkpoint` verifies the manifest before reading anything, so a missing, truncated or
+after every rank has finished. A crash at any moment leaves the previous checkpoint loadable (a
+re-save of an existing tag first moves the old folder aside, and loading finds it there).
+`load_checkpoint` verifies the manifests before reading anything, so a missing, truncated or
 corrupted file is reported by name and the engine's state is left untouched.
+
+The model-states file also holds, per FlatParam, its slots (each parameter's fqn, every name it has in
+the state dict, shape and offset) and the state dict's keys in order, so a checkpoint can be
+consolidated into one plain state dict without the model (`infinity.engine.consolidate`).
+
+Loading reads every rank's shard as a range of each FlatParam's full (concatenated) buffer, one
+tensor piece at a time (`CheckpointFiles`). The same path reshards a checkpoint written by another
+world size, when `zero_optimization.elastic_checkpoint` is true; otherwise that is refused.
+
+Test hook: with `INFINITY_TEST_PAUSE_IN_SAVE=<seconds>` in the environment, every save sleeps that
+long between writing the model-states file and the optim-states file, so a test can kill the
+process in the middle of a save.
 """
 
 from __future__ import annotations
@@ -14,28 +27,34 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from infinity.engine.checkpoint_format import FormatError, LazyTensor, TorchFileReader
+
 if TYPE_CHECKING:
     from infinity.engine.engine import InfinityEngine
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
 MANIFEST = "manifest_rank{rank}.json"
+LATEST = "latest"
+PAUSE_ENV = "INFINITY_TEST_PAUSE_IN_SAVE"
+OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged or was written by an incompatible run."""
 
 
-def _model_file(rank: int) -> str:
+def model_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
-def _optim_file(rank: int) -> str:
+def optim_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
@@ -63,6 +82,13 @@ def _write(path: Path, obj: Any) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
+def _write_text(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -76,6 +102,37 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _pause_for_tests() -> None:
+    seconds = os.environ.get(PAUSE_ENV)
+    if seconds:
+        time.sleep(float(seconds))
+
+
+def _flat_metadata(engine: InfinityEngine) -> dict[str, Any]:
+    """Per FlatParam: sizes, and each slot's fqn, every state-dict name of it (tied weights), shape, offset."""
+    names: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {
+        flat.name: {
+            "numel": flat.numel,
+            "shard_numel": flat.shard_numel,
+            "dtype": str(flat.full.dtype).removeprefix("torch."),
+            "trainable": flat.requires_grad,
+            "slots": [
+                {
+                    "fqn": slot.fqn,
+                    "names": names.get(id(p), [slot.fqn]),
+                    "shape": list(slot.shape),
+                    "offset": slot.offset,
+                }
+                for slot, p in zip(flat.slots, flat.params, strict=True)
+            ],
+        }
+        for flat in engine.flats
+    }
 
 
 def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: str | None, client_state: dict) -> Path:
@@ -93,8 +150,10 @@ def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: st
     model_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
-        "param_shards": {f.name: engine.placement.home(f).cpu() for f in engine.flats},
+        "param_shards": {f.name: engine.placement.read(f) for f in engine.flats},
         "buffers": {k: v.cpu() for k, v in engine.module.named_buffers()},
+        "flats": _flat_metadata(engine),
+        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "loss_scaler": engine.loss_scaler.state_dict(),
@@ -102,53 +161,80 @@ def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: st
         "rng": _rng_state(),
         "client_state": client_state,
     }
+    files = {model_file(comm.rank): _write(staging / model_file(comm.rank), model_states)}
+    del model_states
+    _pause_for_tests()
     optim_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "shards": {
-            f.name: {
-                "master": s.master.cpu(),
-                "exp_avg": s.exp_avg.cpu(),
-                "exp_avg_sq": s.exp_avg_sq.cpu(),
-                "step": s.step,
-            }
-            for f, s in engine.optimizer.shard_states.items()
+            f.name: {**engine.optimizer.read_state(f), "step": s.step} for f, s in engine.optimizer.shard_states.items()
         },
     }
-    files = {
-        _model_file(comm.rank): _write(staging / _model_file(comm.rank), model_states),
-        _optim_file(comm.rank): _write(staging / _optim_file(comm.rank), optim_states),
-    }
+    files[optim_file(comm.rank)] = _write(staging / optim_file(comm.rank), optim_states)
+    del optim_states
     manifest = {"format_version": FORMAT_VERSION, "world_size": comm.world_size, "rank": comm.rank, "files": files}
-    (staging / MANIFEST.format(rank=comm.rank)).write_text(json.dumps(manifest, indent=1))
+    _write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
     comm.barrier("checkpoint files written")
     if comm.rank == 0:
-        _fsync_dir(staging)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(tag)
-        with latest_tmp.open("rb") as f:
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
+        _publish(root, staging, final, tag)
     comm.barrier("checkpoint published")
     return final
 
 
-def _verify(folder: Path, rank: int, world_size: int) -> None:
-    manifest_path = folder / MANIFEST.format(rank=rank)
-    if not manifest_path.is_file():
-        raise CheckpointError(
-            f"checkpoint '{folder}' has no {manifest_path.name}: it is incomplete or not a checkpoint"
-        )
-    manifest = json.loads(manifest_path.read_text())
+def _publish(root: Path, staging: Path, final: Path, tag: str) -> None:
+    """Rename the finished staging folder to `final` and point `latest` at it, each step atomic."""
+    _fsync_dir(staging)
+    old = root / f".{tag}.old"
+    if final.exists():  # re-saving a tag: keep the old folder where loading finds it until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    latest_tmp = root / f".{LATEST}.tmp"
+    _write_text(latest_tmp, tag)
+    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_folder(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
+    """The checkpoint folder for `load_dir` and `tag`: `load_dir/tag`, the tag `load_dir/latest` names, or
+    `load_dir` itself when it is a checkpoint folder."""
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / LATEST
+        if latest.is_file():
+            tag = latest.read_text().strip()
+        elif (root / MANIFEST.format(rank=0)).is_file():
+            return root
+        else:
+            raise CheckpointError(f"'{root}' has no '{LATEST}' file; pass tag= to name the checkpoint to load")
+    folder = root / tag
+    if not folder.is_dir() and (root / f".{tag}.old").is_dir():
+        folder = root / f".{tag}.old"  # a re-save of this tag was interrupted between its two renames
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint '{root / tag}' does not exist")
+    return folder
+
+
+def read_manifest(folder: Path, rank: int) -> dict[str, Any]:
+    path = folder / MANIFEST.format(rank=rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint '{folder}' has no {path.name}: it is incomplete or not a checkpoint")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint manifest '{path}' is corrupted: {exc}") from exc
+
+
+def verify_rank(folder: Path, rank: int, world_size: int) -> None:
+    """Check rank `rank`'s files against its manifest: present, full size, same SHA-256."""
+    manifest = read_manifest(folder, rank)
     if manifest["world_size"] != world_size:
         raise CheckpointError(
-            f"checkpoint '{folder}' was written by {manifest['world_size']} rank(s) and this run has {world_size}; "
-            f"resharding is not supported yet: resume with {manifest['world_size']} rank(s)"
+            f"checkpoint '{folder}': {MANIFEST.format(rank=rank)} says {manifest['world_size']} ranks, "
+            f"rank 0's says {world_size}; the folder mixes two checkpoints"
         )
     for name, expect in manifest["files"].items():
         path = folder / name
@@ -163,44 +249,122 @@ def _verify(folder: Path, rank: int, world_size: int) -> None:
             raise CheckpointError(f"checkpoint file '{path}' is corrupted: its SHA-256 differs from the manifest's")
 
 
+class CheckpointFiles:
+    """The per-rank files of one checkpoint folder, opened lazily, read one tensor range at a time.
+
+    `read_range(kind, flat, start, end)` returns elements [start, end) of a FlatParam's full buffer as the
+    saving run laid it out (its ranks' shards concatenated), whatever world size reads it; elements past
+    that buffer's end are padding and read as zeros. `kind` is "param" (compute-dtype weights) or one of
+    OPTIM_STATES. Memory: only the requested range is read.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.world_size = int(read_manifest(folder, 0)["world_size"])
+        self._readers: dict[tuple[str, int], TorchFileReader] = {}
+
+    def reader(self, kind: str, rank: int) -> TorchFileReader:
+        """The model-states (`kind` "model") or optim-states ("optim") file of `rank`."""
+        key = (kind, rank)
+        if key not in self._readers:
+            name = model_file(rank) if kind == "model" else optim_file(rank)
+            try:
+                self._readers[key] = TorchFileReader(self.folder / name)
+            except FormatError as exc:
+                raise CheckpointError(f"checkpoint file '{self.folder / name}' cannot be read: {exc}") from exc
+        return self._readers[key]
+
+    def _shard(self, kind: str, rank: int, flat_name: str) -> LazyTensor:
+        if kind == "param":
+            return self.reader("model", rank).obj["param_shards"][flat_name]
+        return self.reader("optim", rank).obj["shards"][flat_name][kind]
+
+    def shard_numel(self, flat_name: str) -> int:
+        return self._shard("param", 0, flat_name).numel
+
+    def read_range(self, kind: str, flat_name: str, start: int, end: int) -> torch.Tensor:
+        shard_numel = self.shard_numel(flat_name)
+        saved_end = shard_numel * self.world_size
+        dtype = self._shard(kind, 0, flat_name).dtype
+        out = torch.empty(end - start, dtype=dtype)
+        out[max(0, min(end, saved_end) - start) :] = 0  # past the saved buffer: padding
+        pos = start
+        while pos < min(end, saved_end):
+            rank, offset = divmod(pos, shard_numel)
+            n = min(end, (rank + 1) * shard_numel) - pos
+            reader = self.reader("model" if kind == "param" else "optim", rank)
+            try:
+                reader.read_into(self._shard(kind, rank, flat_name), offset, out[pos - start : pos - start + n])
+            except FormatError as exc:
+                raise CheckpointError(str(exc)) from exc
+            pos += n
+        return out
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> CheckpointFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def load_checkpoint(engine: InfinityEngine, load_dir: str | os.PathLike, tag: str | None) -> tuple[Path, dict]:
     """Restore every rank's shards and state from `load_dir/tag` (or the tag `latest` names)."""
-    root = Path(load_dir)
-    if tag is None:
-        latest = root / "latest"
-        if not latest.is_file():
-            raise CheckpointError(f"'{root}' has no 'latest' file; pass tag= to name the checkpoint to load")
-        tag = latest.read_text().strip()
-    folder = root / tag
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint '{folder}' does not exist")
+    folder = resolve_folder(load_dir, tag)
     comm = engine.comm
-    _verify(folder, comm.rank, comm.world_size)
-    model_states = torch.load(folder / _model_file(comm.rank), weights_only=False)
-    optim_states = torch.load(folder / _optim_file(comm.rank), weights_only=False)
+    saved_world = int(read_manifest(folder, 0)["world_size"])
+    if saved_world != comm.world_size and not engine.config.zero_optimization.elastic_checkpoint:
+        raise CheckpointError(
+            f"checkpoint '{folder}' was written by {saved_world} rank(s) and this run has {comm.world_size}; "
+            f'resume with {saved_world} rank(s), or set "zero_optimization": {{"elastic_checkpoint": true}} '
+            "to reshard it while loading"
+        )
+    needed = [comm.rank] if saved_world == comm.world_size else list(range(saved_world))
+    for rank in needed:
+        verify_rank(folder, rank, saved_world)
+    with CheckpointFiles(folder) as files:
+        source = comm.rank if comm.rank < saved_world else 0  # whose step counts, RNG and client state we take
+        model_reader, optim_reader = files.reader("model", source), files.reader("optim", source)
+        model_states, optim_states = model_reader.obj, optim_reader.obj
+        _check_same_model(engine, folder, model_states)
+        with torch.no_grad():
+            for flat in engine.flats:
+                start, end = flat.shard_range
+                engine.placement.assign(flat, files.read_range("param", flat.name, start, end))
+            for flat, state in engine.optimizer.shard_states.items():
+                start, end = flat.shard_range
+                values = {kind: files.read_range(kind, flat.name, start, end) for kind in OPTIM_STATES}
+                engine.optimizer.load_state(flat, values)
+                state.step = optim_states["shards"][flat.name]["step"]
+            buffers = dict(engine.module.named_buffers())
+            for key, value in model_states["buffers"].items():
+                buffers[key].copy_(model_reader.load(value))
+        for group, saved in zip(engine.optimizer.param_groups, optim_states["param_groups"], strict=True):
+            group.update(saved)
+        engine.optimizer.sync_step_counts()
+        engine.global_steps = model_states["global_steps"]
+        engine.micro_steps = model_states["micro_steps"]
+        engine.loss_scaler.load_state_dict(model_states["loss_scaler"])
+        if engine.lr_scheduler is not None and model_states["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+        _set_rng_state(model_reader.materialize(model_states["rng"]))
+        client_state = model_reader.materialize(model_states["client_state"])
+    engine.persistent.release()  # re-gathered from the restored shards at the next forward
+    return folder, client_state
+
+
+def _check_same_model(engine: InfinityEngine, folder: Path, model_states: dict[str, Any]) -> None:
     names = {f.name for f in engine.flats}
     if set(model_states["param_shards"]) != names:
         raise CheckpointError(f"checkpoint '{folder}' holds a different model: its blocks do not match this engine's")
-    with torch.no_grad():
-        for flat in engine.flats:
-            engine.placement.home(flat).copy_(model_states["param_shards"][flat.name])
-        for flat, state in engine.optimizer.shard_states.items():
-            saved = optim_states["shards"][flat.name]
-            state.master.copy_(saved["master"])
-            state.exp_avg.copy_(saved["exp_avg"])
-            state.exp_avg_sq.copy_(saved["exp_avg_sq"])
-            state.step = saved["step"]
-        buffers = dict(engine.module.named_buffers())
-        for key, value in model_states["buffers"].items():
-            buffers[key].copy_(value)
-    for group, saved in zip(engine.optimizer.param_groups, optim_states["param_groups"], strict=True):
-        group.update(saved)
-    engine.optimizer.sync_step_counts()
-    engine.global_steps = model_states["global_steps"]
-    engine.micro_steps = model_states["micro_steps"]
-    engine.loss_scaler.load_state_dict(model_states["loss_scaler"])
-    if engine.lr_scheduler is not None and model_states["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
-    _set_rng_state(model_states["rng"])
-    engine.persistent.release()  # re-gathered from the restored shards at the next forward
-    return folder, model_states["client_state"]
+    for flat in engine.flats:
+        saved = model_states.get("flats", {}).get(flat.name)
+        if saved is not None and saved["numel"] != flat.numel:
+            raise CheckpointError(
+                f"checkpoint '{folder}' holds a different model: block '{flat.name}' has {saved['numel']} "
+                f"parameters there and {flat.numel} here"
+            )
