@@ -1,4 +1,10 @@
-"""The `infinity` command: `infinity train`, `infinity config FILE`."""
+"""The `infinity` command (also `python -m infinity`).
+
+infinity [train] [...]            train (the embedded default job with no arguments)
+infinity config [FILE] [...]      print a config resolved as `infinity train` would, every default filled in
+infinity consolidate CKPT OUT     write one full fp32 state dict from a sharded checkpoint
+infinity estimate --params N      memory needed per offload choice, and the largest model that fits here
+"""
 
 from __future__ import annotations
 
@@ -6,32 +12,82 @@ import argparse
 import json
 import sys
 
+COMMANDS = ("train", "config", "consolidate", "estimate")
 
-def main(argv: list[str] | None = None) -> int:
+
+def _parser() -> argparse.ArgumentParser:
+    from infinity.cli import estimate
+    from infinity.cli.train import DEFAULT_MODEL, DEFAULT_STEPS, add_train_arguments
+
     parser = argparse.ArgumentParser(prog="infinity", description="Train models larger than your hardware.")
     sub = parser.add_subparsers(dest="command")
-    from infinity.cli.train import add_train_arguments
-
     add_train_arguments(sub.add_parser("train", help="train a GPT (the default job with no arguments)"))
-    config_parser = sub.add_parser("config", help="print a config resolved with every default filled in")
-    config_parser.add_argument("file")
-    config_parser.add_argument("--world-size", type=int, default=1)
-    args = parser.parse_args(argv)
-    if args.command in (None, "train"):
+
+    config = sub.add_parser("config", help="print a config resolved with every default filled in")
+    config.add_argument("file", nargs="?", help="a DeepSpeed-style JSON config (default: the embedded one)")
+    config.add_argument("--world-size", type=int, default=1, help="ranks, for the batch-size arithmetic")
+    config.add_argument("--model", default=DEFAULT_MODEL, help='GPT preset whose hidden size resolves "auto"')
+    config.add_argument("--steps", type=int, default=DEFAULT_STEPS, help='resolves "auto" scheduler steps')
+    config.add_argument("--offload", choices=("none", "cpu", "nvme"))
+    config.add_argument("--nvme-path")
+    config.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
+
+    cons = sub.add_parser("consolidate", help="write one full fp32 state dict from a sharded checkpoint")
+    cons.add_argument("checkpoint", help="a --save-dir (its latest checkpoint) or one checkpoint folder")
+    cons.add_argument("out", help="output file: .pt/.bin (torch) or .safetensors")
+    cons.add_argument("--tag", help="the checkpoint to use instead of the latest")
+    cons.add_argument("--format", choices=("torch", "safetensors"), help="default: from OUT's suffix")
+
+    estimate.add_arguments(sub.add_parser("estimate", help="memory needed under each offload choice"))
+    return parser
+
+
+def _config(args: argparse.Namespace) -> int:
+    from infinity.cli.train import build_config
+    from infinity.config import ConfigError, resolve_batch_sizes
+    from infinity.models.gpt import gpt_preset
+
+    args.config = args.file
+    try:
+        cfg = build_config(args, gpt_preset(args.model).n_embd)
+        cfg = resolve_batch_sizes(cfg, args.world_size)
+    except (ConfigError, KeyError) as exc:
+        print(f"infinity config: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(cfg.to_dict(), indent=2))
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from infinity.engine.checkpoint import CheckpointError
+    from infinity.engine.consolidate import consolidate
+    from infinity.estimator import format_bytes
+
+    try:
+        result = consolidate(args.checkpoint, args.out, tag=args.tag, fmt=args.format)
+    except CheckpointError as exc:
+        print(f"infinity consolidate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {result.path} ({result.format}): {result.tensors} tensors, {result.parameters:,} parameters, "
+        f"{format_bytes(result.bytes)}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv.insert(0, "train")  # `infinity`, `infinity --steps 10`: the train command
+    args = _parser().parse_args(argv)
+    if args.command == "train":
         from infinity.cli.train import run_train
 
-        if args.command is None:
-            args = parser.parse_args(["train"])
         return run_train(args)
     if args.command == "config":
-        from infinity.config import ConfigError, load_config, resolve_batch_sizes
+        return _config(args)
+    if args.command == "consolidate":
+        return _consolidate(args)
+    from infinity.cli.estimate import run
 
-        try:
-            cfg = resolve_batch_sizes(load_config(args.file), args.world_size)
-        except ConfigError as exc:
-            print(f"infinity config: {exc}", file=sys.stderr)
-            return 2
-        print(json.dumps(cfg.to_dict(), indent=2))
-        return 0
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return run(args)

@@ -1,88 +1,252 @@
-"""`infinity train`: the default job trains the small GPT on the bundled corpus with ZeRO-3 and offload."""
+"""`infinity train`: the default job trains the small GPT on the bundled corpus with ZeRO-3 and NVMe offload.
+
+Every flag overrides the embedded default; `--config` replaces the default config with a DeepSpeed
+JSON file whose "auto" values are filled from these arguments, as Hugging Face's Trainer fills them.
+Under `torchrun` every rank trains its slice of each batch; rank 0 prints and the checkpoint is sharded.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
+import dataclasses
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-DEFAULT_CONFIG = {
-    "train_micro_batch_size_per_gpu": 8,
+from infinity.config import AutoValues, ConfigError, InfinityConfig, load_config, resolve_auto
+
+DEFAULT_MODEL = "small"
+DEFAULT_STEPS = 300
+DEFAULT_SEQ = 64
+DEFAULT_SAVE_DIR = "runs/default"
+DEFAULT_NVME_PATH = "./nvme"
+LR = 3e-3
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
+MAX_GRAD_NORM = 1.0
+MICRO_BATCH = 8
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": MICRO_BATCH,
     "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "gradient_clipping": MAX_GRAD_NORM,
+    "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}},
     "scheduler": {
         "type": "WarmupCosineLR",
-        "params": {"total_num_steps": 300, "warmup_num_steps": 30, "warmup_type": "linear", "cos_min_ratio": 0.1},
+        "params": {
+            "total_num_steps": "auto",
+            "warmup_num_steps": "auto",
+            "warmup_type": "linear",
+            "cos_min_ratio": 0.1,
+        },
     },
     "zero_optimization": {
         "stage": 3,
         "block_classes": ["Block"],
-        "offload_param": {"device": "cpu"},
-        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH},
+        "offload_optimizer": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH},
     },
-    "steps_per_print": 10,
+    "steps_per_print": 25,
 }
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a DeepSpeed-style JSON config (default: the built-in one)")
-    parser.add_argument("--model", default="small", help="GPT preset: tiny, small, 110m, 1b, 3b, 7b, 13b")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--save-dir", default="runs/default", help="where the final weights are written")
+    parser.add_argument("--config", help="a DeepSpeed-style JSON config (default: the embedded one)")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="GPT preset: tiny, small, 110m, 1b, 3b, 7b, 13b (default: small)"
+    )
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total (resume included)")
+    parser.add_argument("--seq", type=int, help=f"tokens per sequence (default: {DEFAULT_SEQ}, at most the preset's)")
+    parser.add_argument("--save-dir", default=DEFAULT_SAVE_DIR, help="where checkpoints are written")
+    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--nvme-path", help=f"folder for NVMe offload (default: {DEFAULT_NVME_PATH})")
+    parser.add_argument(
+        "--offload", choices=("none", "cpu", "nvme"), help="override offload_param and offload_optimizer devices"
+    )
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (default: the config's)")
     parser.add_argument("--seed", type=int, default=1234)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    import infinity
-    from infinity.data.corpus import ByteBatches, load_corpus
-    from infinity.models.gpt import GPT, gpt_preset
+# -- the config --------------------------------------------------------------------------------
 
-    torch.set_flush_denormal(True)
-    if args.config:
-        config = json.loads(Path(args.config).read_text())
-    else:
-        config = json.loads(json.dumps(DEFAULT_CONFIG))
-        config["scheduler"]["params"].update(total_num_steps=args.steps, warmup_num_steps=max(1, args.steps // 10))
-    torch.manual_seed(args.seed)
-    model = GPT(gpt_preset(args.model, block_size=args.seq))
-    engine, _, _, _ = infinity.initialize(model=model, config=config)
-    rank, world = engine.comm.rank, engine.comm.world_size
-    micro = engine.config.train_micro_batch_size_per_gpu
-    data = ByteBatches(load_corpus("train"), micro, args.seq, seed=args.seed, rank=rank, world_size=world)
-    n_params = sum(f.numel for f in engine.flats)
-    if rank == 0:
-        print(
-            f"infinity: GPT '{args.model}' {n_params / 1e6:.2f}M parameters, {world} rank(s), "
-            f"{engine.config.zero_optimization.offload_param.device} params / "
-            f"{engine.config.zero_optimization.offload_optimizer.device} optimizer, {args.steps} steps"
+
+def auto_values(args: argparse.Namespace) -> AutoValues:
+    """What "auto" means for this run: the CLI's arguments and defaults, in TrainingArguments' roles."""
+    return AutoValues(
+        micro_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=1,
+        learning_rate=LR,
+        adam_betas=BETAS,
+        adam_epsilon=1e-8,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=MAX_GRAD_NORM,
+        warmup_steps=max(1, args.steps // 10),
+        total_steps=args.steps,
+        fp16=args.dtype == "fp16",
+        bf16=args.dtype == "bf16",
+    )
+
+
+def _with_offload(cfg: InfinityConfig, device: str | None, nvme_path: str | None) -> InfinityConfig:
+    z = cfg.zero_optimization
+    param, optim = z.offload_param, z.offload_optimizer
+    if device is not None:
+        param, optim = dataclasses.replace(param, device=device), dataclasses.replace(optim, device=device)
+    if nvme_path is not None:
+        param, optim = dataclasses.replace(param, nvme_path=nvme_path), dataclasses.replace(optim, nvme_path=nvme_path)
+    for section, name in ((param, "offload_param"), (optim, "offload_optimizer")):
+        if section.device == "nvme" and not section.nvme_path:
+            raise ConfigError(
+                f"'zero_optimization.{name}.device' is \"nvme\" but '{name}.nvme_path' is not set; "
+                "set it in the config or pass --nvme-path"
+            )
+    z = dataclasses.replace(z, offload_param=param, offload_optimizer=optim)
+    return dataclasses.replace(cfg, zero_optimization=z)
+
+
+def _with_dtype(cfg: InfinityConfig, dtype: str | None) -> InfinityConfig:
+    if dtype is None:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        bf16=dataclasses.replace(cfg.bf16, enabled=dtype == "bf16"),
+        fp16=dataclasses.replace(cfg.fp16, enabled=dtype == "fp16"),
+    )
+
+
+def build_config(args: argparse.Namespace, hidden_size: int | None) -> InfinityConfig:
+    """The run's config: --config (or the default), --offload / --nvme-path / --dtype, "auto" resolved."""
+    raw = args.config if args.config else copy.deepcopy(DEFAULT_CONFIG)
+    cfg = load_config(raw)
+    cfg = _with_dtype(_with_offload(cfg, args.offload, args.nvme_path), args.dtype)
+    return resolve_auto(cfg, hidden_size, auto_values(args))
+
+
+# -- the job -----------------------------------------------------------------------------------
+
+
+def _model_config(args: argparse.Namespace):
+    from infinity.estimator import available_host_bytes, format_bytes
+    from infinity.models.gpt import count_params, gpt_preset
+
+    preset = gpt_preset(args.model)
+    seq = args.seq or min(DEFAULT_SEQ, preset.block_size)
+    if seq > preset.block_size:
+        raise ConfigError(f"--seq {seq} exceeds the '{args.model}' preset's block_size {preset.block_size}")
+    model_cfg = gpt_preset(args.model, block_size=seq)
+    build_bytes = 4 * count_params(model_cfg)
+    if build_bytes > available_host_bytes():
+        raise ConfigError(
+            f"building GPT '{args.model}' in fp32 takes {format_bytes(build_bytes)} of host memory and "
+            f"{format_bytes(available_host_bytes())} is available; see `infinity estimate --model {args.model}`"
         )
-    tokens_per_step = engine.config.train_batch_size * args.seq
-    first_loss = last_loss = None
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    return model_cfg
+
+
+def _mean_over_ranks(engine, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if engine.comm.world_size > 1:
+        engine.comm.all_reduce(t, "loss for the progress display")
+        t /= engine.comm.world_size
+    return t.item()
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Train per `args`; returns the process exit code (2 for a config or checkpoint problem)."""
+    import infinity
+    from infinity.cli.progress import Progress
+    from infinity.data.corpus import ByteBatches, load_corpus
+    from infinity.engine.checkpoint import CheckpointError
+    from infinity.models.gpt import GPT
+
+    if args.steps < 1 or args.save_every < 0:
+        print("infinity train: --steps must be >= 1 and --save-every >= 0", file=sys.stderr)
+        return 2
+    torch.set_flush_denormal(True)
+    try:
+        model_cfg = _model_config(args)
+        config = build_config(args, model_cfg.n_embd)
+        for section in (config.zero_optimization.offload_param, config.zero_optimization.offload_optimizer):
+            if section.device == "nvme":
+                Path(section.nvme_path).mkdir(parents=True, exist_ok=True)  # the engine wants it to exist
+        torch.manual_seed(args.seed)
+        engine, _, _, _ = infinity.initialize(model=GPT(model_cfg), config=config)
+    except ConfigError as exc:
+        print(f"infinity train: {exc}", file=sys.stderr)
+        return 2
+    rank, world = engine.comm.rank, engine.comm.world_size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    cfg = engine.config
+    data = ByteBatches(
+        load_corpus("train"), cfg.train_micro_batch_size_per_gpu, model_cfg.block_size, args.seed, rank, world
+    )
+    if args.resume:
+        try:
+            folder, client = engine.load_checkpoint(args.save_dir)
+            data.load_state_dict(client["data"])
+        except (CheckpointError, ValueError, KeyError) as exc:
+            print(f"infinity train: cannot resume from '{args.save_dir}': {exc}", file=sys.stderr)
+            return 2
+        say(f"resumed from {folder} at step {engine.global_steps}")
+    z = cfg.zero_optimization
+    n_params = sum(f.numel for f in engine.flats)
+    say(
+        f"infinity: GPT '{args.model}' {n_params / 1e6:.2f}M parameters, {world} rank(s), seq {model_cfg.block_size}, "
+        f"batch {cfg.train_batch_size}, {cfg.compute_dtype_name}; params on {z.offload_param.device}, "
+        f"optimizer on {z.offload_optimizer.device}"
+        + (
+            f" (NVMe folder {Path(z.offload_param.nvme_path or z.offload_optimizer.nvme_path).resolve()})"
+            if "nvme" in (z.offload_param.device, z.offload_optimizer.device)
+            else ""
+        )
+    )
+    start_step = engine.global_steps
+    if start_step >= args.steps:
+        say(f"nothing to do: the checkpoint is at step {start_step} and --steps is {args.steps}")
+        return 0
+
+    def client_state() -> dict[str, Any]:
+        return {"data": data.state_dict(), "model": args.model, "seq": model_cfg.block_size}
+
+    tokens_per_step = cfg.train_batch_size * model_cfg.block_size
+    progress = (
+        Progress(args.steps, tokens_per_step, print_every=cfg.steps_per_print, first_step=start_step)
+        if rank == 0
+        else None
+    )
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(start_step + 1, args.steps + 1):
+        step_loss = 0.0
         for _ in range(engine.gradient_accumulation_steps):
             x, y = next(data)
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        last_loss = loss.item()
-        first_loss = last_loss if first_loss is None else first_loss
-        if rank == 0 and (step % engine.config.steps_per_print == 0 or step == args.steps):
-            elapsed = time.perf_counter() - start
-            print(
-                f"step {step:5d}/{args.steps}  loss {last_loss:.4f}  lr {engine.get_lr()[0]:.2e}  "
-                f"{step * tokens_per_step / elapsed:,.0f} tokens/s",
-                flush=True,
-            )
-    state = engine.full_state_dict()
-    if rank == 0:
-        out = Path(args.save_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out / "model.pt")
-        print(f"loss {first_loss:.4f} -> {last_loss:.4f}; weights written to {out / 'model.pt'}")
+            step_loss += loss.item() / engine.gradient_accumulation_steps
+        losses.append(_mean_over_ranks(engine, step_loss))
+        if progress is not None:
+            progress.update(step, losses[-1], engine.bytes_moved, engine.get_lr()[0])
+        if args.save_every and step % args.save_every == 0 and step != args.steps:
+            folder = engine.save_checkpoint(args.save_dir, client_state=client_state())
+            if progress is not None and progress.tty:
+                progress.close()
+            say(f"checkpoint: {folder}")
+    elapsed = time.perf_counter() - started
+    if progress is not None:
+        progress.close()
+    folder = engine.save_checkpoint(args.save_dir, client_state=client_state())
+    k = max(1, min(10, len(losses) // 10))
+    say(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} (mean of first {k} steps {sum(losses[:k]) / k:.4f}, "
+        f"last {k} {sum(losses[-k:]) / k:.4f}); steps {start_step + 1}-{args.steps} in {elapsed:.1f} s, "
+        f"{len(losses) * tokens_per_step / elapsed:,.0f} tokens/s, waited {engine.stall_s:.2f} s for weights"
+    )
+    say(f"checkpoint written to {folder}")
+    say(f"full weights: infinity consolidate {args.save_dir} model.pt   resume: add --resume")
     return 0

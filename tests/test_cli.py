@@ -1,0 +1,184 @@
+"""The `infinity` command: the default job end to end, config printing, overrides, errors, torchrun, progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from infinity.cli import main
+from infinity.cli.progress import Progress, format_rates
+from infinity.engine.checkpoint import MANIFEST, model_file, optim_file
+
+
+def _python_m_infinity(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, "-m", "infinity", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_default_job_trains_the_small_gpt_with_nvme_offload_and_writes_a_checkpoint(tmp_path):
+    done = _python_m_infinity(["train", "--steps", "12"], cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "GPT 'small'" in out and "params on nvme, optimizer on nvme" in out
+    assert (tmp_path / "nvme").is_dir()  # the default NVMe folder, under the working directory
+    # Not a TTY: plain progress lines with step, loss, tokens/s and the swap rate of each tier pair.
+    assert re.search(r"step 12/12  loss \d+\.\d+  lr \S+  [\d,]+ tokens/s  swap: .*nvme->device \S+ GB/s", out), out
+    first_k, last_k = map(float, re.search(r"mean of first \d+ steps ([\d.]+), last \d+ ([\d.]+)", out).groups())
+    assert last_k < first_k - 0.5, out  # bytes start at ln(256) = 5.5 nats
+    folder = tmp_path / "runs" / "default" / "global_step12"
+    assert f"checkpoint written to {Path('runs/default/global_step12')}" in out
+    assert (folder / model_file(0)).is_file() and (folder / optim_file(0)).is_file()
+    assert (folder / MANIFEST.format(rank=0)).is_file()
+    assert (tmp_path / "runs" / "default" / "latest").read_text() == "global_step12"
+
+
+def test_config_command_prints_the_default_job_config_resolved(capsys):
+    assert main(["config", "--steps", "50"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["scheduler"]["params"]["total_num_steps"] == 50  # "auto", from --steps
+    assert cfg["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert cfg["zero_optimization"]["offload_param"] == {
+        "device": "nvme",
+        "nvme_path": "./nvme",
+        "pin_memory": False,
+        "buffer_count": 5,
+        "buffer_size": 100_000_000,
+        "max_in_cpu": 1_000_000_000,
+    }
+    assert cfg["train_batch_size"] == 8 and cfg["optimizer"]["params"]["eps"] == 1e-8
+
+
+def test_config_command_resolves_a_files_auto_values_and_batch_arithmetic(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+            }
+        )
+    )
+    assert main(["config", str(path), "--world-size", "4", "--model", "tiny", "--offload", "cpu"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["train_batch_size"] == 32
+    assert cfg["optimizer"]["params"]["lr"] == 3e-3
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 32 * 32  # tiny: hidden 32
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["aio"]["queue_depth"] == 8  # every default is filled in
+
+
+def test_config_command_reports_a_mistake_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {"stage": 3}}))
+    assert main(["config", str(path)]) == 2
+    assert "did you mean 'zero_optimization'" in capsys.readouterr().err
+
+
+def test_train_with_a_deepspeed_config_file_and_overrides(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": "auto",
+                "bf16": {"enabled": "auto"},
+                "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto"}},
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+            }
+        )
+    )
+    args = ["train", "--config", str(path), "--model", "tiny", "--steps", "3", "--save-dir", str(tmp_path / "ck")]
+    assert main([*args, "--offload", "cpu", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 16" in out and "bfloat16" in out and "params on cpu, optimizer on cpu" in out
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step3"
+
+
+def test_nvme_offload_without_a_path_asks_for_nvme_path(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}))
+    assert main(["train", "--config", str(path), "--model", "tiny", "--steps", "1"]) == 2
+    assert "--nvme-path" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+    args = ["train", "--model", "tiny", "--steps", "2", "--offload", "cpu", "--save-dir", str(tmp_path), "--resume"]
+    assert main(args) == 2
+    assert "cannot resume" in capsys.readouterr().err
+
+
+def test_resume_continues_to_the_total_step_count(tmp_path, capsys):
+    base = ["train", "--model", "tiny", "--offload", "cpu", "--save-dir", str(tmp_path)]
+    assert main([*base, "--steps", "3"]) == 0
+    assert main([*base, "--steps", "5", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "at step 3" in out and "steps 4-5 in" in out
+    assert (tmp_path / "latest").read_text() == "global_step5"
+
+
+def test_consolidate_command_writes_a_loadable_state_dict(tmp_path, capsys):
+    assert main(["train", "--model", "tiny", "--offload", "cpu", "--steps", "2", "--save-dir", str(tmp_path)]) == 0
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "model.pt")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    from infinity.models.gpt import GPT, gpt_preset
+
+    GPT(gpt_preset("tiny")).load_state_dict(torch.load(tmp_path / "model.pt"))
+    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 2
+
+
+def test_torchrun_trains_on_every_rank_and_prints_once(tmp_path):
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "infinity", "train"]
+    args += ["--model", "tiny", "--steps", "3", "--offload", "cpu", "--save-dir", "ck"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("infinity: GPT 'tiny'") == 1 and "2 rank(s)" in done.stdout
+    folder = tmp_path / "ck" / "global_step3"
+    assert all((folder / model_file(r)).is_file() and (folder / optim_file(r)).is_file() for r in range(2))
+
+
+# -- the progress display ----------------------------------------------------------------------------------
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_tty_redraws_one_line_and_ends_it():
+    stream = _Tty()
+    bar = Progress(3, tokens_per_step=100, stream=stream, min_interval_s=0.0)
+    for step in (1, 2, 3):
+        bar.update(step, 2.0 / step, {"host->device": 1000 * step})
+    text = stream.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and text.count("\n") == 1
+    assert "step 3/3  loss 0.6667" in text
+
+
+def test_progress_off_a_tty_prints_every_n_steps_and_the_last():
+    stream = io.StringIO()
+    bar = Progress(7, tokens_per_step=100, stream=stream, print_every=3)
+    for step in range(1, 8):
+        bar.update(step, 1.0, {})
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["3/7", "6/7", "7/7"]
+    assert all("\r" not in line and "swap: no swap" in line for line in lines)
+
+
+def test_swap_rates_are_byte_deltas_over_time_per_tier_pair():
+    now = {"host->device": 3_000_000_000, "nvme->host": 500_000_000}
+    before = {"host->device": 1_000_000_000, "nvme->host": 500_000_000}
+    assert format_rates(now, before, seconds=2.0) == "host->device 1 GB/s"
