@@ -90,18 +90,19 @@ class InfinityEngine:
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
 
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
+        budgets, optimizer_window = self._budgets(param_tier, optim_tier, plan)
         self.store = TierStore.from_config(
             z.offload_param,
             z.offload_optimizer,
             cfg.aio,
-            self._budgets(param_tier, optim_tier, plan),
+            budgets,
             rank=rank,
             device=self.device,
         )
         self.placement = ShardPlacement(self.store, param_tier)
         if optim_tier == "nvme":
             self.optimizer: ShardedAdam = StreamedAdam(
-                groups.groups, groups.adamw_mode, self.placement, self.store, z.offload_optimizer.buffer_count
+                groups.groups, groups.adamw_mode, self.placement, self.store, optimizer_window
             )
         else:
             self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, optim_tier != "device", self.placement)
@@ -141,23 +142,42 @@ class InfinityEngine:
 
     # -- construction helpers ------------------------------------------------------------------
 
-    def _budgets(self, param_tier: str, optim_tier: str, plan) -> TierBudgets:
-        """Byte budgets per tier: host memory is bounded whenever no shard's home is host memory."""
+    def _budgets(self, param_tier: str, optim_tier: str, plan) -> tuple[TierBudgets, int]:
+        """Byte budgets per tier, and how many shards' optimizer state the NVMe step streams at once.
+
+        Host memory is bounded whenever no shard lives there: parameters need room for one shard being
+        gathered and one being written (`offload_param.buffer_count` x `buffer_size` for read-ahead
+        by default); the streamed optimizer needs 16 bytes per element (master, moments, gradient)
+        for each shard in its window, plus one gradient shard being accumulated.
+        """
         z = self.config.zero_optimization
+        sizes = [sum(p.numel() for _, p, _ in uses) for uses in (plan.root, plan.persistent)]
+        sizes += [sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks]
+        largest = math.ceil(max(sizes, default=0) / self.comm.world_size) + SHARD_ALIGN_ELEMS
+        itemsize = self.compute_dtype.itemsize
+        param_min = 2 * largest * itemsize if param_tier == "nvme" else 0
+        optim_shard, grad_rmw = 16 * largest, 4 * largest if optim_tier == "nvme" else 0
+        window = z.offload_optimizer.buffer_count
         host = z.host_budget_bytes
-        if host is None and "host" not in (param_tier, optim_tier) and "nvme" in (param_tier, optim_tier):
-            sizes = [sum(p.numel() for _, p, _ in uses) for uses in (plan.root, plan.persistent)]
-            sizes += [sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks]
-            largest = math.ceil(max(sizes, default=0) / self.comm.world_size) + SHARD_ALIGN_ELEMS
-            host = 0
+        bounded = "host" not in (param_tier, optim_tier) and "nvme" in (param_tier, optim_tier)
+        if host is None and bounded:
+            host = grad_rmw
             if param_tier == "nvme":
                 elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
-                host += min(elems, z.offload_param.max_in_cpu or elems) * self.compute_dtype.itemsize
-                host = max(host, 4 * largest * self.compute_dtype.itemsize)
-            if optim_tier == "nvme":  # master, two moments and the gradient, per shard in the window
-                window = max(2, z.offload_optimizer.buffer_count)
-                host += (window + 1) * 4 * largest * 4 + largest * 4
-        return TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host)
+                host += max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
+            if optim_tier == "nvme":
+                host += (window + 1) * optim_shard
+        elif host is not None and bounded:
+            room = host - param_min - grad_rmw
+            if optim_tier == "nvme":
+                window = min(window, room // optim_shard)
+            if room < 0 or window < 1:
+                need = param_min + grad_rmw + (optim_shard if optim_tier == "nvme" else 0)
+                raise ConfigError(
+                    f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
+                    f"elements) needs at least {need} bytes of host memory to stream through: raise the budget"
+                )
+        return TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window
 
     def _shard(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
         """One FlatParam per param group (frozen ones apart), each sharded into the store at once."""
@@ -336,6 +356,18 @@ class InfinityEngine:
 
         folder, client_state = load_checkpoint(self, load_dir, tag)
         return str(folder), client_state
+
+    def iter_full_state(self):
+        """Yield (name, full fp32 CPU tensor) block by block; every rank must iterate it to the end."""
+        from infinity.engine.state_io import iter_full_state
+
+        return iter_full_state(self)
+
+    def load_full_state(self, source, strict: bool = True) -> list[str]:
+        """Load pretrained weights (a state dict, a torch file or a folder of safetensors), block by block."""
+        from infinity.engine.state_io import load_full_state
+
+        return load_full_state(self, source, strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from infinity.engine.gathered import full_state_dict

@@ -8,41 +8,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from infinity.engine.state_io import iter_full_state
 from infinity.partition import FlatParam
 
 if TYPE_CHECKING:
     from infinity.engine.engine import InfinityEngine
 
 
-def _gather_full(engine: InfinityEngine, flat: FlatParam, fp32: bool) -> torch.Tensor:
-    """The whole flat buffer on every rank: fp32 masters if trainable and `fp32`, else the compute shards."""
-    if fp32 and flat in engine.optimizer.shard_states:
-        shard = engine.optimizer.read_state(flat)["master"].to(engine.device)
-    else:
-        shard = engine.placement.read(flat).to(engine.device)
-        if fp32:
-            shard = shard.float()
-    full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=engine.device)
-    engine.comm.all_gather(full, shard, f"full weights of {flat.name}")
-    return full
-
-
 @torch.no_grad()
 def full_state_dict(engine: InfinityEngine) -> dict[str, torch.Tensor]:
     """Full fp32 weights on CPU keyed like the unwrapped model's state_dict (every name of a tied weight)."""
-    by_param: dict[int, torch.Tensor] = {}
-    for flat in engine.flats:
-        values = flat.unflatten(_gather_full(engine, flat, fp32=True).cpu())
-        for slot, p in zip(flat.slots, flat.params, strict=True):
-            by_param[id(p)] = values[slot.fqn].clone()
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
-    out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for key, value in engine.module.state_dict(keep_vars=True).items():
-        if key in params:
-            out[key] = by_param[id(params[key])]
-        else:
-            out[key] = value.detach().cpu().clone()
-    return out
+    values = dict(iter_full_state(engine))
+    return OrderedDict((key, values[key]) for key in engine.module.state_dict(keep_vars=True))
 
 
 class GatheredParameters:

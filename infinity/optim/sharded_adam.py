@@ -216,6 +216,12 @@ class ShardedAdam(torch.optim.Optimizer):
         if s.param_shard is not None and s.param_shard.data_ptr() == s.master.data_ptr():
             self.param_sink.updated_in_place(flat)
 
+    def set_master(self, flat: FlatParam, master: torch.Tensor) -> None:
+        """New fp32 weights for one shard (e.g. pretrained); its moments are kept."""
+        values = self.read_state(flat)
+        values["master"] = master
+        self.load_state(flat, values)
+
     def sync_step_counts(self) -> None:
         """After restoring `ShardState.step`, make torch's per-tensor step counts agree with it."""
         if self._torch_opt is not None:

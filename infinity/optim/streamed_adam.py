@@ -2,8 +2,8 @@
 
 The step streams each shard's state through host memory: reads for the next shards are issued
 while the current one is stepped by the native Adam (read ahead), and its new state is written
-back without waiting (write behind). Host memory holds at most `window` shards' state at a time
-(plus what the store's host budget allows for read-ahead), however large the model. Gradients are
+back without waiting (write behind). At most `window` shards' state is held at a time, and the
+store's host budget bounds what read-ahead adds, however large the model. Gradients are
 accumulated into each shard's own gradient slot on NVMe, so they are never all in memory at once.
 """
 
@@ -37,7 +37,7 @@ class StreamedAdam(ShardedAdam):
         window: int,
     ) -> None:
         self.store = store
-        self.window = max(2, window)
+        self.window = max(1, window)
         super().__init__(groups, adamw_mode, offloaded=True, param_sink=param_sink)
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
         self._norm_sq: dict[FlatParam, float] = {}

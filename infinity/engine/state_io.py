@@ -1,0 +1,130 @@
+"""Full weights in and out, one FlatParam at a time: memory stays near the largest block, not the model.
+
+`iter_full_state` yields the full fp32 weights (every name of a tied weight) and buffers, block by
+block; `load_full_state` writes pretrained weights into the shards, reading them tensor by tensor
+from a state dict, a torch checkpoint (memory-mapped) or a folder of safetensors files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinity.partition import FlatParam
+
+if TYPE_CHECKING:
+    from infinity.engine.engine import InfinityEngine
+
+
+def _names_by_param(engine: InfinityEngine) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def gather_full(engine: InfinityEngine, flat: FlatParam, fp32: bool) -> torch.Tensor:
+    """The whole flat buffer on every rank: fp32 masters if trainable and `fp32`, else the compute shards."""
+    if fp32 and flat in engine.optimizer.shard_states:
+        shard = engine.optimizer.read_state(flat)["master"].to(engine.device)
+    else:
+        shard = engine.placement.read(flat).to(engine.device)
+        if fp32:
+            shard = shard.float()
+    full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=engine.device)
+    engine.comm.all_gather(full, shard, f"full weights of {flat.name}")
+    return full
+
+
+@torch.no_grad()
+def iter_full_state(engine: InfinityEngine) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, fp32 CPU tensor) for every parameter name and buffer of the model; every rank must iterate."""
+    names = _names_by_param(engine)
+    for flat in engine.flats:
+        values = flat.unflatten(gather_full(engine, flat, fp32=True).cpu())
+        for slot, p in zip(flat.slots, flat.params, strict=True):
+            tensor = values[slot.fqn].clone()
+            for name in names[id(p)]:
+                yield name, tensor
+        del values
+    for name, buf in engine.module.named_buffers():
+        yield name, buf.detach().cpu().clone()
+
+
+class _TensorSource:
+    """Named tensors read one at a time from a mapping, a torch file (mmap) or safetensors files."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor] | str | os.PathLike) -> None:
+        self._handles: dict[str, object] = {}
+        if isinstance(source, Mapping):
+            self._tensors = source
+            return
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"'{path}' holds no *.safetensors files")
+            try:
+                from safetensors import safe_open
+            except ImportError as exc:
+                raise ImportError(
+                    "reading safetensors needs the 'safetensors' package: pip install safetensors"
+                ) from exc
+            for f in files:
+                handle = safe_open(str(f), framework="pt")
+                for key in handle.keys():
+                    self._handles[key] = handle
+            self._tensors = None
+        elif path.is_file():
+            self._tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        else:
+            raise FileNotFoundError(f"pretrained weights '{path}' do not exist")
+
+    def keys(self) -> set[str]:
+        return set(self._handles) if self._tensors is None else set(self._tensors.keys())
+
+    def get(self, key: str) -> torch.Tensor:
+        if self._tensors is None:
+            return self._handles[key].get_tensor(key)
+        return self._tensors[key]
+
+
+@torch.no_grad()
+def load_full_state(engine: InfinityEngine, source, strict: bool = True) -> list[str]:
+    """Write full weights into every rank's shards (and fp32 masters); returns the names not found."""
+    tensors = _TensorSource(source)
+    available = tensors.keys()
+    names = _names_by_param(engine)
+    missing: list[str] = []
+    for flat in engine.flats:
+        found = {
+            slot.fqn: next((n for n in names[id(p)] if n in available), None)
+            for slot, p in zip(flat.slots, flat.params, strict=True)
+        }
+        # parameters absent from the source keep their current values
+        full = gather_full(engine, flat, fp32=True).cpu() if None in found.values() else torch.zeros(flat.padded_numel)
+        for slot in flat.slots:
+            name = found[slot.fqn]
+            if name is None:
+                missing.append(slot.fqn)
+                continue
+            value = tensors.get(name)
+            if tuple(value.shape) != tuple(slot.shape):
+                raise ValueError(f"pretrained '{name}' has shape {tuple(value.shape)}, the model {tuple(slot.shape)}")
+            full[slot.offset : slot.offset + slot.numel] = value.reshape(-1).float()
+        start, end = flat.shard_range
+        engine.placement.assign(flat, full[start:end].to(flat.full.dtype))
+        if flat in engine.optimizer.shard_states:
+            engine.optimizer.set_master(flat, full[start:end].clone())
+        if flat.gathered:  # always-gathered weights see the new values at once
+            flat.full.copy_(full.to(flat.full.dtype))
+    if strict and missing:
+        raise KeyError(f"pretrained weights lack {len(missing)} parameter(s), e.g. {missing[:5]}; pass strict=False")
+    for name, buf in engine.module.named_buffers():
+        if name in available:
+            buf.copy_(tensors.get(name))
+    return missing
