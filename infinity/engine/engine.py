@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +23,7 @@ from infinity.partition import FlatParam, plan_blocks
 from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
 from infinity.partition.materialize import check_materializable, materialize_modules
 from infinity.partition.sharded_block import ShardedBlock
+from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
 from infinity.storage import TierBudgets, TierStore
 
@@ -91,6 +93,7 @@ class InfinityEngine:
 
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
         budgets, optimizer_window = self._budgets(param_tier, optim_tier, plan)
+        self.prof = open_trace_writer(cfg, rank, world)  # None unless the config's profiler is enabled
         self.store = TierStore.from_config(
             z.offload_param,
             z.offload_optimizer,
@@ -98,6 +101,7 @@ class InfinityEngine:
             budgets,
             rank=rank,
             device=self.device,
+            recorder=self.prof,
         )
         self.placement = ShardPlacement(self.store, param_tier)
         if optim_tier == "nvme":
@@ -138,6 +142,10 @@ class InfinityEngine:
             max_live_elems=z.stage3_max_live_parameters,
             max_reuse_distance_elems=z.stage3_max_reuse_distance,
         )
+        self.scheduler.prof = self.prof
+        self.scheduler.gather_waits_on = {"device": "all-gather", "host": "host->device", "nvme": "nvme->host"}[
+            param_tier
+        ]
         model._infinity_engine = self
 
     # -- construction helpers ------------------------------------------------------------------
@@ -242,7 +250,10 @@ class InfinityEngine:
                     continue
                 full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=self.device)
             shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device)
+            start = time.perf_counter_ns()
             self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
+            if self.prof is not None:
+                self.prof.collective("reduce-scatter", block.name, full.numel() * 4, start, time.perf_counter_ns())
             self.optimizer.accumulate_grad(flat, shard, final=self.is_gradient_accumulation_boundary())
             flat.clear_grads()
 
@@ -252,7 +263,15 @@ class InfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if self.prof is not None:
+            if self.micro_steps % self.gradient_accumulation_steps == 0 and self.scheduler.phase.value == "idle":
+                self.prof.begin_step(self.global_steps)
+            self.prof.set_phase("forward")
         return self.module(*args, **kwargs)
+
+    def _record_live_bytes(self) -> None:
+        for tier in ("device", "host", "nvme"):
+            self.prof.live(tier, self.store.live_bytes(tier))
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -265,13 +284,22 @@ class InfinityEngine:
         """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""
         scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
         self.scheduler.begin_backward()
+        if self.prof is not None:
+            self.prof.set_phase("backward")
+            self._record_live_bytes()
         scaled.backward()
         self.scheduler.finish_backward()
 
     def step(self) -> None:
         """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
         if self.is_gradient_accumulation_boundary():
+            if self.prof is not None:
+                self.prof.set_phase("optimizer")
+                self._record_live_bytes()
             self._optimizer_step()
+            if self.prof is not None:
+                self._record_live_bytes()
+                self.prof.end_step(self.global_steps - 1)
         self.micro_steps += 1
 
     def _sync_hyperparameters(self, into_client: bool) -> None:
@@ -325,6 +353,8 @@ class InfinityEngine:
         self.optimizer.finish_param_writes()
         self.scheduler.remove_hooks()
         self.store.close()
+        if self.prof is not None:
+            self.prof.close()
 
     destroy = close  # DeepSpeed's name
 

@@ -18,7 +18,7 @@ from infinity.storage import MoveHandle, TierStore
 
 
 def param_key(flat: FlatParam) -> tuple[str, str]:
-    return ("param", flat.name)
+    return (flat.name, "param")  # block first: the profiler names a move's block by the key's first item
 
 
 class ShardPlacement:

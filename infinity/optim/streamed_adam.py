@@ -22,7 +22,7 @@ STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def state_key(name: str, flat: FlatParam) -> tuple[str, str]:
-    return (name, flat.name)
+    return (flat.name, name)
 
 
 class StreamedAdam(ShardedAdam):

@@ -6,6 +6,7 @@ no bytes between tiers itself; it only runs the collectives and manages the gath
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -36,6 +37,8 @@ class ShardedBlock:
         self.numel = sum(f.padded_numel for f in flats)
         self.trainable = [p for f in flats if f.requires_grad for p in f.params]
         self._pending: list | None = None  # async all-gather work handles
+        self.issued_ns = 0  # when the pending all-gathers were issued
+        self.gathered_bytes = sum(f.padded_numel * f.full.element_size() for f in flats)
         self.grads_ready = 0
 
     @property
@@ -56,6 +59,7 @@ class ShardedBlock:
         """Issue the all-gathers without waiting (a prefetch)."""
         if self._pending is not None or all(f.gathered for f in self.flats):
             return
+        self.issued_ns = time.perf_counter_ns()
         works = []
         for flat in self.flats:
             if not flat.gathered:

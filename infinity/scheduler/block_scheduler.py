@@ -6,6 +6,9 @@ next blocks of the recorded order are prefetched up to `prefetch_bucket_elems`, 
 `max_reuse_distance_elems`. Backward: a hook on the block's outputs re-gathers it before its
 backward; once all its gradients have accumulated they go to `on_block_grads` and the block is
 released. The root's and persistent parameters stay gathered through forward and backward.
+
+With a profiler attached (`prof`, None when off), it records when compute reaches each block and
+whether it was ready, stalls and what they waited on, the all-gathers, and each block's compute span.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class BlockScheduler:
         self.prefetches_issued = 0
         self.uses = 0  # times compute reached a block
         self.prefetch_hits = 0  # ... and found its weights already there
+        self.prof = None  # a TraceWriter when profiling; every use is guarded by `is not None`
+        self.gather_waits_on = "all-gather"  # what an unprefetched gather waits for first ("nvme->device", ...)
+        self._open_span: tuple[str, int] | None = None
         self._position: dict[int, int | None] = {}
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
@@ -75,14 +81,36 @@ class BlockScheduler:
         return sum(b.numel for b in self.blocks if b.gathered or b.in_flight)
 
     def _ensure_gathered(self, block: ShardedBlock) -> None:
+        prof = self.prof
         if block.index >= 0:
+            ready = block.gathered or block.ready()
             self.uses += 1
-            self.prefetch_hits += block.gathered or block.ready()
+            self.prefetch_hits += ready
+            if prof is not None:
+                prof.use(block.name, bool(ready))
         if block.gathered:
             return
-        start = time.perf_counter()
+        in_flight = block.in_flight
+        start = time.perf_counter_ns()
+        issued = block.issued_ns if in_flight else start
         block.wait_gather(self.source)
-        self.stall_s += time.perf_counter() - start
+        end = time.perf_counter_ns()
+        self.stall_s += (end - start) / 1e9
+        if prof is not None:
+            prof.stall(block.name, start, end, "all-gather" if in_flight else self.gather_waits_on)
+            prof.collective("all-gather", block.name, block.gathered_bytes, issued, end)
+
+    def _open(self, block: ShardedBlock) -> None:
+        """A block's compute starts now: the previous one's span (if still open) ends here."""
+        if self.prof is not None:
+            self._close()
+            self._open_span = (block.name, time.perf_counter_ns())
+
+    def _close(self) -> None:
+        if self.prof is not None and self._open_span is not None:
+            name, start = self._open_span
+            self.prof.compute(name, start, time.perf_counter_ns())
+            self._open_span = None
 
     def _prefetch(self, upcoming: list[int]) -> None:
         """All-gather the next blocks within the bucket; read the ones after them ahead into host memory."""
@@ -98,6 +126,8 @@ class BlockScheduler:
                 break
             block.start_gather(self.source)
             self.prefetches_issued += 1
+            if self.prof is not None:
+                self.prof.prefetch(block.name)
             budget -= block.numel
             live += block.numel
         else:
@@ -138,9 +168,11 @@ class BlockScheduler:
                 return
             position = self.forward_trace.visit(block.index)
             self._position[block.index] = position
+            self._close()
             self._ensure_gathered(block)
             if position is not None:
                 self._prefetch(self.forward_trace.upcoming(position))
+            self._open(block)
 
         return hook
 
@@ -148,6 +180,7 @@ class BlockScheduler:
         def hook(module: nn.Module, args, output):
             if self.phase is Phase.BACKWARD:
                 return output
+            self._close()
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
@@ -174,9 +207,11 @@ class BlockScheduler:
             if self.phase is not Phase.BACKWARD:  # loss.backward() called directly, not engine.backward
                 self.begin_backward()
             position = self.backward_trace.visit(block.index)
+            self._close()
             self._ensure_gathered(block)
             if position is not None:
                 self._prefetch(self.backward_trace.upcoming(position))
+            self._open(block)
 
         return hook
 
@@ -192,6 +227,7 @@ class BlockScheduler:
 
     def finish_backward(self) -> None:
         """Hand over the gradients not yet reduced (root, persistent, unused parameters); release blocks."""
+        self._close()
         self.backward_trace.end_pass()
         for block in [*self.blocks, self.root, self.persistent]:
             if block.grads_ready or block in (self.root, self.persistent):
