@@ -132,11 +132,12 @@ def adam_step_flat(
         step, lr, beta1, beta2, eps, weight_decay, bool(adamw_mode), grad_scale, path, threads,
     )  # fmt: skip
     # The kernel wrote through raw pointers; tell autograd, as torch's in-place ops would.
-    torch.autograd.graph.increment_version([param, exp_avg, exp_avg_sq])
+    written = [t for t in (param, exp_avg, exp_avg_sq, out_copy) if t is not None and not t.is_inference()]
+    torch.autograd.graph.increment_version(written)
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """torch.optim.Adam (adamw_mode=False) or AdamW (adamw_mode=True) on fp32 CPU params, natively.
+    """torch.optim.Adam (adamw_mode=False) or AdamW (adamw_mode=True) on fp32 contiguous CPU params.
 
     State and param_groups use torch's keys, so state_dicts load into torch.optim.Adam/AdamW and
     back. Grads may be fp32, bf16 or fp16. amsgrad, maximize and differentiable are not supported.

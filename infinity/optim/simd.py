@@ -22,7 +22,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(cpuinfo.get_cpu_info().get("flags", ()))
 
 
-@functools.lru_cache(maxsize=1)
 def supported_paths() -> tuple[str, ...]:
     """The paths this CPU can run, best first; always ends with 'scalar'."""
     flags = cpu_flags()
