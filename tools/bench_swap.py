@@ -5,8 +5,8 @@ medians are reported. Store write: `write()` of new contents for every key from 
 host memory, written in place as host copies are (steady state: the slots exist, as after the
 first optimizer step); write_staged: the same from an unaligned tensor, through a staging copy.
 Store read: `fetch(key, "host")` in key order with a prefetch window, then `release`. fio: the
-same bytes, sequential, the engine's block size, libaio at --fio-iodepth. Every file is removed
-at the end. The last line is one JSON object.
+same region of the same swap file, sequential, the engine's block size, libaio at --fio-iodepth.
+Every file is removed at the end. The last line is one JSON object.
 
     python tools/bench_swap.py [--size-gib G] [--shard-mib 1 8 64] [--repeats 3] [--dir PATH] --json
 """
@@ -41,10 +41,19 @@ def fio_available() -> str | None:
     return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
 
 
-def fio_gbps(path: Path, rw: str, size: int, block: int, iodepth: int) -> float:
+def fio_gbps(path: str, offset: int, rw: str, size: int, block: int, iodepth: int) -> float:
     cmd = [
-        "fio", "--name=raw", f"--filename={path}", f"--size={size}", f"--bs={block}", "--direct=1", f"--rw={rw}",
-        "--ioengine=libaio", f"--iodepth={iodepth}", "--output-format=json",
+        "fio",
+        "--name=raw",
+        f"--filename={path}",
+        f"--offset={offset}",
+        f"--size={size}",
+        f"--bs={block}",
+        "--direct=1",
+        f"--rw={rw}",
+        "--ioengine=libaio",
+        f"--iodepth={iodepth}",
+        "--output-format=json",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     job = json.loads(done.stdout)["jobs"][0]
@@ -70,8 +79,16 @@ def store_read_gbps(store: TierStore, keys: list[int], shard_bytes: int, window:
     return len(keys) * shard_bytes / (time.perf_counter() - start) / 1e9
 
 
-def bench_shard_size(workdir: Path, aio: AioConfig, shard_bytes: int, total_bytes: int, repeats: int,
-                     window: int, fio_depth: int, use_fio: bool) -> dict:
+def bench_shard_size(
+    workdir: Path,
+    aio: AioConfig,
+    shard_bytes: int,
+    total_bytes: int,
+    repeats: int,
+    window: int,
+    fio_depth: int,
+    use_fio: bool,
+) -> dict:
     keys = list(range(max(1, total_bytes // shard_bytes)))
     size = len(keys) * shard_bytes
     source = aligned_empty(shard_bytes)  # aligned host memory: written in place, as host copies are
@@ -80,27 +97,42 @@ def bench_shard_size(workdir: Path, aio: AioConfig, shard_bytes: int, total_byte
     unaligned.copy_(source)
     host_budget = (window + 2) * shard_bytes
     samples: dict[str, list[float]] = {"write": [], "read": [], "raw_write": [], "raw_read": [], "write_staged": []}
-    fio_file = workdir / "fio.dat"
     with TierStore(str(workdir), aio, TierBudgets(host_bytes=host_budget)) as store:
-        for key in keys:  # lay the slots out once; the timed writes overwrite them, as training does
-            store.put(key, source, "nvme")
-        if use_fio:
-            fio_gbps(fio_file, "write", size, aio.block_size, fio_depth)  # lay out fio's file the same way
-        for _ in range(repeats):
-            if use_fio:
-                samples["raw_write"].append(fio_gbps(fio_file, "write", size, aio.block_size, fio_depth))
-            samples["write"].append(store_write_gbps(store, keys, source))
-            samples["write_staged"].append(store_write_gbps(store, keys, unaligned))
-            if use_fio:
-                samples["raw_read"].append(fio_gbps(fio_file, "read", size, aio.block_size, fio_depth))
-            samples["read"].append(store_read_gbps(store, keys, shard_bytes, window))
-        check = store.fetch(keys[-1], "host").wait()
-        if not torch.equal(check[:shard_bytes], source):
-            raise RuntimeError("read back different bytes than were written")
-        store.release(keys[-1], "host")
+        for handle in [store.put(key, source, "nvme") for key in keys]:  # slots laid out once, then overwritten
+            handle.wait()
+        path, first, _ = store.location(keys[0])
+        if store.location(keys[-1])[1] != first + size - shard_bytes:
+            raise RuntimeError("the shards' slots are not one contiguous region; fio would measure another one")
+        runs = {
+            "write": lambda: store_write_gbps(store, keys, source),
+            "write_staged": lambda: store_write_gbps(store, keys, unaligned),
+            "read": lambda: store_read_gbps(store, keys, shard_bytes, window),
+            # fio reads and writes the very same region of the swap file: same blocks, same layout
+            "raw_write": lambda: fio_gbps(path, first, "write", size, aio.block_size, fio_depth),
+            "raw_read": lambda: fio_gbps(path, first, "read", size, aio.block_size, fio_depth),
+        }
+        for r in range(repeats):
+            writes, reads = ["raw_write", "write", "write_staged"], ["raw_read", "read"]
+            if r % 2:  # alternate who goes first: the disk drifts within a repeat too
+                writes, reads = writes[::-1], reads[::-1]
+            for name in writes + reads:
+                if use_fio or not name.startswith("raw_"):
+                    samples[name].append(runs[name]())
+        store_write_gbps(store, keys, unaligned)  # fio wrote its own bytes; put the shards back, then check
+        for key in {keys[0], keys[len(keys) // 2], keys[-1]}:
+            if not torch.equal(store.fetch(key, "host").wait(), unaligned):
+                raise RuntimeError(f"shard {key} read back different bytes than were written")
+            store.release(key, "host")
         backend = store.backend
-    fio_file.unlink(missing_ok=True)
     med = {name: statistics.median(values) if values else None for name, values in samples.items()}
+
+    def fraction(kind: str) -> tuple[float | None, float | None]:
+        if med[f"raw_{kind}"] is None:
+            return None, None
+        paired = [s / r for s, r in zip(samples[kind], samples[f"raw_{kind}"], strict=True)]
+        return round(med[kind] / med[f"raw_{kind}"], 3), round(statistics.median(paired), 3)
+
+    (write_fraction, write_paired), (read_fraction, read_paired) = fraction("write"), fraction("read")
     return {
         "shard_mib": shard_bytes / MiB,
         "shards": len(keys),
@@ -109,8 +141,10 @@ def bench_shard_size(workdir: Path, aio: AioConfig, shard_bytes: int, total_byte
         "read_gbps": round(med["read"], 3),
         "raw_write_gbps": None if med["raw_write"] is None else round(med["raw_write"], 3),
         "raw_read_gbps": None if med["raw_read"] is None else round(med["raw_read"], 3),
-        "fraction_of_raw_write": None if med["raw_write"] is None else round(med["write"] / med["raw_write"], 3),
-        "fraction_of_raw_read": None if med["raw_read"] is None else round(med["read"] / med["raw_read"], 3),
+        "fraction_of_raw_write": write_fraction,
+        "fraction_of_raw_read": read_fraction,
+        "paired_fraction_write": write_paired,  # median over repeats of store / the fio run beside it
+        "paired_fraction_read": read_paired,
         "write_staged_gbps": round(med["write_staged"], 3),
         "prefetch_window": window,
         "host_budget_bytes": host_budget,
@@ -123,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gib", type=float, default=2.0, help="bytes written and read per run")
     parser.add_argument("--shard-mib", type=float, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved store/fio runs; medians reported")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved store/fio runs; medians reported")
     parser.add_argument("--dir", default=None, help="a directory on the disk to measure (default: the repo's)")
-    parser.add_argument("--window", type=int, default=4, help="shards prefetched ahead while reading")
+    parser.add_argument("--window-mib", type=float, default=32, help="bytes prefetched ahead while reading")
     parser.add_argument("--fio-iodepth", type=int, default=32)
-    parser.add_argument("--aio", default="{}", help='aio section as JSON, e.g. \'{"queue_depth": 16}\'')
+    parser.add_argument("--aio", default="{}", help="aio section as JSON, e.g. '{\"queue_depth\": 16}'")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
 
@@ -139,26 +173,54 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for shard_mib in args.shard_mib:
             shard_bytes = int(shard_mib * MiB)
-            res = bench_shard_size(workdir, aio, shard_bytes, int(args.size_gib * (1 << 30)), args.repeats,
-                                   args.window, args.fio_iodepth, fio is not None)
+            res = bench_shard_size(
+                workdir,
+                aio,
+                shard_bytes,
+                int(args.size_gib * (1 << 30)),
+                args.repeats,
+                max(2, int(args.window_mib * MiB) // shard_bytes),
+                args.fio_iodepth,
+                fio is not None,
+            )
             results[f"{shard_mib:g}"] = res
             if not args.json:
-                print(f"{shard_mib:g} MiB shards: " + json.dumps({k: v for k, v in res.items() if k != "samples_gbps"}),
-                      file=sys.stderr)
+                print(
+                    f"{shard_mib:g} MiB shards: " + json.dumps({k: v for k, v in res.items() if k != "samples_gbps"}),
+                    file=sys.stderr,
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     headline = results.get("8") or next(iter(results.values()))
     out = {
-        **{k: headline[k] for k in ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
-                                    "fraction_of_raw_write", "fraction_of_raw_read", "backend")},
+        **{
+            k: headline[k]
+            for k in (
+                "write_gbps",
+                "read_gbps",
+                "raw_write_gbps",
+                "raw_read_gbps",
+                "fraction_of_raw_write",
+                "fraction_of_raw_read",
+                "paired_fraction_write",
+                "paired_fraction_read",
+                "backend",
+            )
+        },
         "headline_shard_mib": headline["shard_mib"],
         "per_shard_mib": results,
         "aio": dataclasses.asdict(aio),
         "size_gib": args.size_gib,
         "repeats": args.repeats,
         "fio": fio or "not installed (apt-get install fio): raw_* and fraction_* are null",
-        "fio_settings": {"ioengine": "libaio", "bs": aio.block_size, "iodepth": args.fio_iodepth, "direct": 1,
-                         "rw": "write/read (sequential)"},
+        "fio_settings": {
+            "ioengine": "libaio",
+            "bs": aio.block_size,
+            "iodepth": args.fio_iodepth,
+            "direct": 1,
+            "rw": "write/read (sequential)",
+            "target": "the shards' region of the store's swap file",
+        },
         "directory": str(base),
         "cpu_count": os.cpu_count(),
     }

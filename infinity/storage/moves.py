@@ -35,7 +35,7 @@ class TierBudgets:
 class Copy:
     """A shard's bytes on the device or host tier: the home copy, or a cache of it."""
 
-    __slots__ = ("tier", "buf", "refs", "home", "prefetched", "ready", "error")
+    __slots__ = ("tier", "buf", "refs", "home", "prefetched", "ready", "error", "finish", "claimed")
 
     def __init__(self, tier: Tier, buf: torch.Tensor, refs: int = 0, home: bool = False, prefetched: bool = False):
         self.tier = tier
@@ -45,6 +45,9 @@ class Copy:
         self.prefetched = prefetched  # loaded ahead of use: evicted only after plain cached copies
         self.ready = threading.Event()  # set when loaded (or failed: see error)
         self.error: BaseException | None = None
+        # Finishes the load (once, whoever calls first): a waiter calls it to skip the mover's hop.
+        self.finish: Callable[[], None] | None = None
+        self.claimed = False
         if home:
             self.ready.set()
 
@@ -109,6 +112,9 @@ class FetchHandle:
     def wait(self, timeout_s: float | None = None) -> torch.Tensor:
         if self._after is not None and not self._after._event.wait(timeout_s):
             raise TimeoutError(f"fetch of {self._shard.key!r}: a write in flight not done after {timeout_s} s")
+        finish = self._copy.finish
+        if finish is not None and timeout_s is None and not self._copy.ready.is_set():
+            finish()
         if not self._copy.ready.wait(timeout_s):
             raise TimeoutError(f"fetch of {self._shard.key!r} to {self._copy.tier.value} not done after {timeout_s} s")
         if self._copy.error is not None:

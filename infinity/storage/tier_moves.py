@@ -9,6 +9,7 @@ Only allocation may wait, and it never runs under the lock.
 from __future__ import annotations
 
 import errno
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -119,12 +120,23 @@ class TierMover:
             t0 = time.perf_counter_ns() if self._recorder is not None else 0
             # A write in flight is queued ahead of this move; its job reads only after the write is done.
             io = self._file.read(buf, shard.nvme_offset) if source is None and shard.write_op is None else None
-            self._completer.submit(lambda: self._finish_load(shard, copy, source, io, t0))
+            finish = functools.partial(self._finish_load, shard, copy, source, io, t0)
+            if shard.write_op is None:  # else it must stay behind the write's job, in the mover's order
+                copy.finish = finish
+            self._completer.submit(finish)
         return copy
 
     def _finish_load(self, shard: Shard, copy: Copy, source: Copy | None, io, t0: int) -> None:
+        with self._lock:
+            claimed, copy.claimed = copy.claimed, True
+        if claimed:  # the waiter or the mover is finishing it already
+            copy.ready.wait()
+            return
         error = None
         try:
+            if source is not None and not source.ready.is_set():  # only when called ahead of the mover
+                (source.finish or source.ready.wait)()
+                source.ready.wait()
             if source is None:
                 if shard.lost is not None:
                     raise SwapFileError(

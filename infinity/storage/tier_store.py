@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig
-from infinity.storage.buffer_pool import aligned_view, copy_bytes
+from infinity.storage.buffer_pool import aligned_view, copy_bytes, round_up
 from infinity.storage.moves import RANK, Copy, FetchHandle, MoveHandle, Shard, Tier, TierBudgets
 from infinity.storage.recorder import Recorder
 from infinity.storage.tier_moves import TierMover
@@ -309,6 +309,14 @@ class TierStore(TierMover):
 
     def __len__(self) -> int:
         return len(self._shards)
+
+    def location(self, key: Hashable) -> tuple[str, int, int] | None:
+        """(swap file, offset, padded bytes) of `key`'s NVMe slot, or None; for tools and debugging."""
+        with self._lock:
+            shard = self._get(key)
+            if shard.nvme_offset is None:
+                return None
+            return self._file.path, shard.nvme_offset, round_up(shard.nbytes)
 
     @property
     def swap_path(self) -> str | None:
