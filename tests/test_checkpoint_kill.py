@@ -100,11 +100,25 @@ def _assert_identical_training_state(a: Path, b: Path) -> None:
                 )
 
 
+class _Reference:
+    """The uninterrupted run, started in the background so that it overlaps the first killed run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.ckpt = run_dir / "ckpt"
+        cmd = _train_cmd(run_dir)
+        self._proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def done(self) -> Path:
+        out, _ = self._proc.communicate(timeout=TIMEOUT_S)
+        assert self._proc.returncode == 0, out
+        return self.ckpt
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    _run(run_dir)
-    return run_dir / "ckpt"
+def uninterrupted(tmp_path_factory):
+    reference = _Reference(tmp_path_factory.mktemp("uninterrupted"))
+    yield reference
+    reference.done()
 
 
 def test_sigkill_mid_training_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted):
@@ -119,7 +133,7 @@ def test_sigkill_mid_training_then_resume_equals_uninterrupted_run(tmp_path, uni
     killed_at = _latest(tmp_path)
     assert killed_at != f"global_step{STEPS}", "the run finished before it could be killed"
     _resume(tmp_path, "--save-every", str(SAVE_EVERY))
-    _assert_identical_training_state(uninterrupted, tmp_path / "ckpt")
+    _assert_identical_training_state(uninterrupted.done(), tmp_path / "ckpt")
 
 
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, uninterrupted):
@@ -135,7 +149,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact
     assert _latest(tmp_path) == f"global_step{SAVE_EVERY}"
     assert not (tmp_path / "ckpt" / f"global_step{2 * SAVE_EVERY}").exists()
     _resume(tmp_path)
-    _assert_identical_training_state(uninterrupted, tmp_path / "ckpt")
+    _assert_identical_training_state(uninterrupted.done(), tmp_path / "ckpt")
 
 
 # -- crashes inside the publication steps, simulated in-process -------------------------------------------

@@ -18,6 +18,7 @@ COMMANDS = ("train", "config", "consolidate", "estimate")
 def _parser() -> argparse.ArgumentParser:
     from infinity.cli import estimate
     from infinity.cli.train import DEFAULT_MODEL, DEFAULT_STEPS, add_train_arguments
+    from infinity.models.gpt import GPT_PRESETS
 
     parser = argparse.ArgumentParser(prog="infinity", description="Train models larger than your hardware.")
     sub = parser.add_subparsers(dest="command")
@@ -26,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print a config resolved with every default filled in")
     config.add_argument("file", nargs="?", help="a DeepSpeed-style JSON config (default: the embedded one)")
     config.add_argument("--world-size", type=int, default=1, help="ranks, for the batch-size arithmetic")
-    config.add_argument("--model", default=DEFAULT_MODEL, help='GPT preset whose hidden size resolves "auto"')
+    config.add_argument(
+        "--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help='GPT preset whose hidden size resolves "auto"'
+    )
     config.add_argument("--steps", type=int, default=DEFAULT_STEPS, help='resolves "auto" scheduler steps')
     config.add_argument("--offload", choices=("none", "cpu", "nvme"))
     config.add_argument("--nvme-path")

@@ -16,6 +16,7 @@ from infinity.estimator import (
     probe_machine,
     size_from_params,
 )
+from infinity.models.gpt import GPT_PRESETS
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -23,7 +24,7 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="total parameters, e.g. 13e9")
-    what.add_argument("--model", help="a GPT preset (tiny, small, 110m, 1b, 3b, 7b, 13b), counted on the meta device")
+    what.add_argument("--model", choices=list(GPT_PRESETS), help="a GPT preset, counted on the meta device")
     parser.add_argument(
         "--largest-layer-params", type=float, help="parameters of the largest block (default: GPT-shaped guess)"
     )

@@ -56,9 +56,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a DeepSpeed-style JSON config (default: the embedded one)")
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="GPT preset: tiny, small, 110m, 1b, 3b, 7b, 13b (default: small)"
-    )
+    from infinity.models.gpt import GPT_PRESETS
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help="GPT preset (default: small)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total (resume included)")
     parser.add_argument("--seq", type=int, help=f"tokens per sequence (default: {DEFAULT_SEQ}, at most the preset's)")
     parser.add_argument("--save-dir", default=DEFAULT_SAVE_DIR, help="where checkpoints are written")
@@ -156,69 +156,84 @@ def _mean_over_ranks(engine, value: float) -> float:
     return t.item()
 
 
+def _start(args: argparse.Namespace):
+    """Build the model, config, engine and batches; returns (engine, model config, batches)."""
+    import infinity
+    from infinity.data.corpus import ByteBatches, load_corpus
+    from infinity.models.gpt import GPT
+
+    model_cfg = _model_config(args)
+    config = build_config(args, model_cfg.n_embd)
+    for section in (config.zero_optimization.offload_param, config.zero_optimization.offload_optimizer):
+        if section.device == "nvme":
+            Path(section.nvme_path).mkdir(parents=True, exist_ok=True)  # the engine wants it to exist
+    torch.manual_seed(args.seed)
+    engine, _, _, _ = infinity.initialize(model=GPT(model_cfg), config=config)
+    cfg = engine.config
+    data = ByteBatches(
+        load_corpus("train"),
+        cfg.train_micro_batch_size_per_gpu,
+        model_cfg.block_size,
+        args.seed,
+        engine.comm.rank,
+        engine.comm.world_size,
+    )
+    return engine, model_cfg, data
+
+
+def _describe(engine, args: argparse.Namespace, seq: int) -> str:
+    cfg, z = engine.config, engine.config.zero_optimization
+    where = f"params on {z.offload_param.device}, optimizer on {z.offload_optimizer.device}"
+    nvme = [s.nvme_path for s in (z.offload_param, z.offload_optimizer) if s.device == "nvme"]
+    if nvme:
+        where += f" (NVMe folder {Path(nvme[0]).resolve()})"
+    return (
+        f"infinity: GPT '{args.model}' {sum(f.numel for f in engine.flats) / 1e6:.2f}M parameters, "
+        f"{engine.comm.world_size} rank(s), seq {seq}, batch {cfg.train_batch_size}, {cfg.compute_dtype_name}; {where}"
+    )
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Train per `args`; returns the process exit code (2 for a config or checkpoint problem)."""
-    import infinity
     from infinity.cli.progress import Progress
-    from infinity.data.corpus import ByteBatches, load_corpus
     from infinity.engine.checkpoint import CheckpointError
-    from infinity.models.gpt import GPT
 
     if args.steps < 1 or args.save_every < 0:
         print("infinity train: --steps must be >= 1 and --save-every >= 0", file=sys.stderr)
         return 2
     torch.set_flush_denormal(True)
     try:
-        model_cfg = _model_config(args)
-        config = build_config(args, model_cfg.n_embd)
-        for section in (config.zero_optimization.offload_param, config.zero_optimization.offload_optimizer):
-            if section.device == "nvme":
-                Path(section.nvme_path).mkdir(parents=True, exist_ok=True)  # the engine wants it to exist
-        torch.manual_seed(args.seed)
-        engine, _, _, _ = infinity.initialize(model=GPT(model_cfg), config=config)
+        engine, model_cfg, data = _start(args)
     except ConfigError as exc:
         print(f"infinity train: {exc}", file=sys.stderr)
         return 2
-    rank, world = engine.comm.rank, engine.comm.world_size
-    say = print if rank == 0 else (lambda *a, **k: None)
-    cfg = engine.config
-    data = ByteBatches(
-        load_corpus("train"), cfg.train_micro_batch_size_per_gpu, model_cfg.block_size, args.seed, rank, world
-    )
     if args.resume:
         try:
-            folder, client = engine.load_checkpoint(args.save_dir)
-            data.load_state_dict(client["data"])
+            _, client = engine.load_checkpoint(args.save_dir)
+            data.load_state_dict(client["data"])  # ValueError if the batch stream differs
         except (CheckpointError, ValueError, KeyError) as exc:
             print(f"infinity train: cannot resume from '{args.save_dir}': {exc}", file=sys.stderr)
             return 2
-        say(f"resumed from {folder} at step {engine.global_steps}")
-    z = cfg.zero_optimization
-    n_params = sum(f.numel for f in engine.flats)
-    say(
-        f"infinity: GPT '{args.model}' {n_params / 1e6:.2f}M parameters, {world} rank(s), seq {model_cfg.block_size}, "
-        f"batch {cfg.train_batch_size}, {cfg.compute_dtype_name}; params on {z.offload_param.device}, "
-        f"optimizer on {z.offload_optimizer.device}"
-        + (
-            f" (NVMe folder {Path(z.offload_param.nvme_path or z.offload_optimizer.nvme_path).resolve()})"
-            if "nvme" in (z.offload_param.device, z.offload_optimizer.device)
-            else ""
-        )
-    )
+    rank = engine.comm.rank
+    say = print if rank == 0 else (lambda *a, **k: None)
     start_step = engine.global_steps
+    if args.resume:
+        say(f"resumed from {args.save_dir} at step {start_step}")
+    say(_describe(engine, args, model_cfg.block_size))
     if start_step >= args.steps:
         say(f"nothing to do: the checkpoint is at step {start_step} and --steps is {args.steps}")
         return 0
 
-    def client_state() -> dict[str, Any]:
-        return {"data": data.state_dict(), "model": args.model, "seq": model_cfg.block_size}
+    def save() -> str:
+        client_state = {"data": data.state_dict(), "model": args.model, "seq": model_cfg.block_size}
+        return engine.save_checkpoint(args.save_dir, client_state=client_state)
 
-    tokens_per_step = cfg.train_batch_size * model_cfg.block_size
-    progress = (
-        Progress(args.steps, tokens_per_step, print_every=cfg.steps_per_print, first_step=start_step)
-        if rank == 0
-        else None
-    )
+    tokens_per_step = engine.config.train_batch_size * model_cfg.block_size
+    progress = None
+    if rank == 0:
+        progress = Progress(
+            args.steps, tokens_per_step, print_every=engine.config.steps_per_print, first_step=start_step
+        )
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
@@ -233,14 +248,14 @@ def run_train(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(step, losses[-1], engine.bytes_moved, engine.get_lr()[0])
         if args.save_every and step % args.save_every == 0 and step != args.steps:
-            folder = engine.save_checkpoint(args.save_dir, client_state=client_state())
-            if progress is not None and progress.tty:
+            folder = save()
+            if progress is not None:
                 progress.close()
             say(f"checkpoint: {folder}")
     elapsed = time.perf_counter() - started
     if progress is not None:
         progress.close()
-    folder = engine.save_checkpoint(args.save_dir, client_state=client_state())
+    folder = save()
     k = max(1, min(10, len(losses) // 10))
     say(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} (mean of first {k} steps {sum(losses[:k]) / k:.4f}, "
