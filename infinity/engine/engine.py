@@ -13,6 +13,7 @@ from torch import nn
 
 from infinity.comm import CommGroup, init_distributed
 from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.engine.budgets import plan_budgets
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.placement import ShardPlacement
 from infinity.optim.loss_scaler import LossScaler
@@ -20,12 +21,11 @@ from infinity.optim.lr_schedules import build_schedule
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.optim.streamed_adam import StreamedAdam
 from infinity.partition import FlatParam, plan_blocks
-from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
 from infinity.partition.materialize import check_materializable, materialize_modules
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
-from infinity.storage import TierBudgets, TierStore
+from infinity.storage import TierStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TIERS = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -92,7 +92,7 @@ class InfinityEngine:
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
 
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-        budgets, optimizer_window = self._budgets(param_tier, optim_tier, plan)
+        budgets, optimizer_window = plan_budgets(z, plan, world, self.compute_dtype.itemsize, param_tier, optim_tier)
         self.prof = open_trace_writer(cfg, rank, world)  # None unless the config's profiler is enabled
         self.store = TierStore.from_config(
             z.offload_param,
@@ -149,43 +149,6 @@ class InfinityEngine:
         model._infinity_engine = self
 
     # -- construction helpers ------------------------------------------------------------------
-
-    def _budgets(self, param_tier: str, optim_tier: str, plan) -> tuple[TierBudgets, int]:
-        """Byte budgets per tier, and how many shards' optimizer state the NVMe step streams at once.
-
-        Host memory is bounded whenever no shard lives there: parameters need room for one shard being
-        gathered and one being written (`offload_param.buffer_count` x `buffer_size` for read-ahead
-        by default); the streamed optimizer needs 16 bytes per element (master, moments, gradient)
-        for each shard in its window, plus one gradient shard being accumulated.
-        """
-        z = self.config.zero_optimization
-        sizes = [sum(p.numel() for _, p, _ in uses) for uses in (plan.root, plan.persistent)]
-        sizes += [sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks]
-        largest = math.ceil(max(sizes, default=0) / self.comm.world_size) + SHARD_ALIGN_ELEMS
-        itemsize = self.compute_dtype.itemsize
-        param_min = 2 * largest * itemsize if param_tier == "nvme" else 0
-        optim_shard, grad_rmw = 16 * largest, 4 * largest if optim_tier == "nvme" else 0
-        window = z.offload_optimizer.buffer_count
-        host = z.host_budget_bytes
-        bounded = "host" not in (param_tier, optim_tier) and "nvme" in (param_tier, optim_tier)
-        if host is None and bounded:
-            host = grad_rmw
-            if param_tier == "nvme":
-                elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
-                host += max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
-            if optim_tier == "nvme":
-                host += (window + 1) * optim_shard
-        elif host is not None and bounded:
-            room = host - param_min - grad_rmw
-            if optim_tier == "nvme":
-                window = min(window, room // optim_shard)
-            if room < 0 or window < 1:
-                need = param_min + grad_rmw + (optim_shard if optim_tier == "nvme" else 0)
-                raise ConfigError(
-                    f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
-                    f"elements) needs at least {need} bytes of host memory to stream through: raise the budget"
-                )
-        return TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window
 
     def _shard(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
         """One FlatParam per param group (frozen ones apart), each sharded into the store at once."""
