@@ -46,6 +46,25 @@ def test_a_full_nvme_path_is_reported_at_start_with_its_free_space(tiny_fs_dir: 
     assert list(tiny_fs_dir.iterdir()) == []  # nothing left behind
 
 
+def test_a_disk_filling_up_fails_the_put_that_grows_the_file_and_nothing_else(tiny_fs_dir: Path) -> None:
+    with _store(tiny_fs_dir, nvme_grow_bytes=128 * 1024) as store:
+        kept, error = {}, None
+        for i in range(20):  # 20 x 100 KiB shards cannot fit in 1 MiB
+            t = torch.randn(25_000)
+            try:
+                store.put(i, t, "nvme").wait()
+            except StorageError as exc:
+                error = exc
+                break
+            kept[i] = t
+        assert error is not None and error.errno == errno.ENOSPC
+        assert "cannot grow the swap file" in str(error) and "bytes free" in str(error)
+        assert i not in store and len(kept) >= 3
+        for key, t in kept.items():
+            assert torch.equal(store.fetch(key, "host").wait(), t)
+            store.release(key, "host")
+
+
 def test_a_foreign_file_in_the_way_is_refused_and_left_alone(disk_dir: Path) -> None:
     foreign = disk_dir / "infinity-rank0.swap"
     foreign.write_bytes(b"precious user data" * 1000)
