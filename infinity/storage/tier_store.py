@@ -209,18 +209,19 @@ class TierStore(TierMover):
         """
         tier = self._target(tier)
         keys = list(keys)
+        missing = set()
         with self._lock:
             for key in keys:
                 copy = self._get(key).copies.get(tier)
-                if copy is not None and key in self._idle[tier]:
+                if copy is None:
+                    missing.add(key)
+                elif key in self._idle[tier]:
                     copy.prefetched = True
                     self._idle[tier].move_to_end(key)
-        started = []
-        for key in keys:
-            if self._load(key, tier, wait=False, prefetched=True, hold=False) is None:
-                break
-            started.append(key)
-        return started
+        for i, key in enumerate(keys):
+            if key in missing and self._load(key, tier, wait=False, prefetched=True, hold=False) is None:
+                return keys[:i]
+        return keys
 
     def evict(self, key: Hashable, to: Tier | str | None = None) -> None:
         """Free the key's unreferenced cached copies; with `to` below its home, move the home down there.
