@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from infinity.config import AutoValues, ConfigError, InfinityConfig, load_config, resolve_auto
+from infinity.models.gpt import GPT_PRESETS
 
 DEFAULT_MODEL = "small"
 DEFAULT_STEPS = 300
@@ -56,8 +57,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a DeepSpeed-style JSON config (default: the embedded one)")
-    from infinity.models.gpt import GPT_PRESETS
-
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help="GPT preset (default: small)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total (resume included)")
     parser.add_argument("--seq", type=int, help=f"tokens per sequence (default: {DEFAULT_SEQ}, at most the preset's)")
