@@ -1,4 +1,5 @@
-"""Consolidation (one fp32 state dict from sharded files) and resharding on load, against full_state_dict."""
+"""Streaming checkpoint I/O: consolidation (one fp32 state dict from sharded files) and resharding on load
+against full_state_dict, and memory bounds of saving and consolidating."""
 
 from __future__ import annotations
 
@@ -156,6 +157,30 @@ def test_consolidation_memory_stays_near_the_largest_tensor(tmp_path):
     assert grown < model_bytes / 2
     loaded = torch.load(tmp_path / "model.pt")
     assert all(torch.equal(loaded[k], v) for k, v in engine.full_state_dict().items())
+
+
+def test_save_holds_one_shards_state_in_memory_at_a_time(tmp_path, monkeypatch):
+    import weakref
+
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=_config("mlp", "cpu", "fp32"))
+    _train(engine, batches("mlp", 2), 1)
+    live = {"now": 0, "peak": 0}
+
+    def track(t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        live["now"] += nbytes
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(t, lambda: live.__setitem__("now", live["now"] - nbytes))
+        return t
+
+    read_param, read_state = engine.placement.read, engine.optimizer.read_state
+    monkeypatch.setattr(engine.placement, "read", lambda flat: track(read_param(flat)))
+    monkeypatch.setattr(engine.optimizer, "read_state", lambda flat: {k: track(v) for k, v in read_state(flat).items()})
+    engine.save_checkpoint(str(tmp_path))
+    largest_shard = max(f.shard_numel for f in engine.flats) * 4
+    everything = sum(f.shard_numel for f in engine.flats) * 4 * 4  # weights, master and two moments
+    assert live["peak"] <= 3 * largest_shard < everything / 2
+    assert live["now"] == 0
 
 
 def test_consolidation_refuses_a_corrupted_rank_file(tmp_path):

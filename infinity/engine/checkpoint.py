@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from infinity.engine.checkpoint_format import FormatError, LazyTensor, TorchFileReader
+from infinity.engine.checkpoint_format import (
+    FormatError,
+    LazyTensor,
+    Produce,
+    TensorSpec,
+    TorchFileReader,
+    write_torch_object,
+)
 
 if TYPE_CHECKING:
     from infinity.engine.engine import InfinityEngine
@@ -74,11 +81,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write(path: Path, obj: Any) -> dict[str, Any]:
-    with path.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _write(path: Path, obj: Any, produce: Produce) -> dict[str, Any]:
+    """Write `obj` (TensorSpecs in it filled by `produce`, one at a time), fsync it; its size and SHA-256."""
+    write_torch_object(path, obj, produce)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
@@ -147,10 +157,13 @@ def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: st
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     comm.barrier("checkpoint staging folder")
+    # Shards are specs, read from their tier (NVMe included) one at a time while the file is written,
+    # so a save holds one shard's state in host memory, not the rank's.
+    flats = {f.name: f for f in engine.flats}
     model_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
-        "param_shards": {f.name: engine.placement.read(f) for f in engine.flats},
+        "param_shards": {name: TensorSpec(name, (f.shard_numel,), f.full.dtype) for name, f in flats.items()},
         "buffers": {k: v.cpu() for k, v in engine.module.named_buffers()},
         "flats": _flat_metadata(engine),
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
@@ -161,19 +174,35 @@ def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: st
         "rng": _rng_state(),
         "client_state": client_state,
     }
-    files = {model_file(comm.rank): _write(staging / model_file(comm.rank), model_states)}
-    del model_states
+    files = {
+        model_file(comm.rank): _write(
+            staging / model_file(comm.rank), model_states, lambda spec: engine.placement.read(flats[spec.name])
+        )
+    }
     _pause_for_tests()
     optim_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "shards": {
-            f.name: {**engine.optimizer.read_state(f), "step": s.step} for f, s in engine.optimizer.shard_states.items()
+            f.name: {
+                **{kind: TensorSpec(f"{kind}/{f.name}", (f.shard_numel,), torch.float32) for kind in OPTIM_STATES},
+                "step": s.step,
+            }
+            for f, s in engine.optimizer.shard_states.items()
         },
     }
-    files[optim_file(comm.rank)] = _write(staging / optim_file(comm.rank), optim_states)
-    del optim_states
+    current: dict[str, Any] = {}  # the one shard whose optimizer state is in memory
+
+    def optim_state(spec: TensorSpec) -> torch.Tensor:
+        kind, _, name = spec.name.partition("/")
+        if current.get("name") != name:
+            current.clear()
+            current.update(name=name, state=engine.optimizer.read_state(flats[name]))
+        return current["state"][kind]
+
+    files[optim_file(comm.rank)] = _write(staging / optim_file(comm.rank), optim_states, optim_state)
+    current.clear()
     manifest = {"format_version": FORMAT_VERSION, "world_size": comm.world_size, "rank": comm.rank, "files": files}
     _write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
     comm.barrier("checkpoint files written")

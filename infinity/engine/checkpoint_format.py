@@ -4,13 +4,15 @@
 (`data/<key>`) stored uncompressed. `TorchFileReader` unpickles a file with every tensor left as a
 `LazyTensor` (its record, dtype, offset and shape) and reads any element range of one with a single
 seek, so a checkpoint can be resharded or consolidated with memory near the largest piece read, not
-the file. `write_torch_file` and `write_safetensors_file` write a state dict the same way: each
-tensor is produced, written and dropped before the next.
+the file. `write_torch_object` (any object, as `torch.save`), `write_torch_file` and
+`write_safetensors_file` (state dicts) write the same way: each tensor is produced, written and
+dropped before the next.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import io
 import json
 import math
@@ -169,7 +171,10 @@ class TorchFileReader:
         if isinstance(obj, LazyTensor):
             return self.load(obj)
         if isinstance(obj, dict):
-            return type(obj)((k, self.materialize(v)) for k, v in obj.items())
+            out = copy.copy(obj)
+            for k, v in obj.items():
+                out[k] = self.materialize(v)
+            return out
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(self.materialize(v) for v in obj)
         return obj
@@ -187,12 +192,12 @@ class TorchFileReader:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One entry of a state dict to write: its name, shape and dtype; `alias_of` names the entry whose
-    data it shares (a tied weight)."""
+    """A tensor to write, produced later: its name, shape and dtype (None: whatever is produced, torch
+    format only); `alias_of` names the entry whose data it shares (a tied weight)."""
 
     name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
     alias_of: str | None = None
 
     @property
@@ -204,7 +209,7 @@ Produce = Callable[[TensorSpec], torch.Tensor]
 
 
 def _check(spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
-    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+    if (spec.shape is not None and tuple(t.shape) != spec.shape) or (spec.dtype is not None and t.dtype != spec.dtype):
         raise ValueError(
             f"'{spec.name}' was produced as {tuple(t.shape)} {t.dtype}, declared {spec.shape} {spec.dtype}"
         )
@@ -217,18 +222,18 @@ def _write_all(out, t: torch.Tensor) -> None:
 
 
 class _TensorRef:
-    """Pickles as a tensor whose data is storage record `key` (written separately)."""
+    """Pickles as a contiguous tensor whose data is storage record `key` (written separately)."""
 
-    def __init__(self, key: str, spec: TensorSpec) -> None:
-        self.key, self.spec = key, spec
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.key, self.shape, self.dtype = key, shape, dtype
 
     def __reduce_ex__(self, protocol: int):
         stride, acc = [], 1
-        for size in reversed(self.spec.shape):
+        for size in reversed(self.shape):
             stride.append(acc)
             acc *= size
-        storage = _StorageRef(self.key, self.spec.dtype, math.prod(self.spec.shape))
-        args = (storage, 0, torch.Size(self.spec.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        storage = _StorageRef(self.key, self.dtype, math.prod(self.shape))
+        args = (storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
         return (torch._utils._rebuild_tensor_v2, args)
 
 
@@ -250,29 +255,57 @@ def _aligned_entry(zf: zipfile.ZipFile, name: str):
     return zf.open(info, "w", force_zip64=True)
 
 
-def write_torch_file(path: str | os.PathLike, specs: list[TensorSpec], produce: Produce) -> None:
-    """Write an ordered state dict in torch's format, producing one tensor at a time.
+def _walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`obj` rebuilt with `leaf` applied to every TensorSpec and tensor inside dicts, lists and tuples."""
+    if isinstance(obj, (TensorSpec, torch.Tensor)):
+        return leaf(obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the mapping's type (and a defaultdict's factory)
+        for k, v in obj.items():
+            out[k] = _walk(v, leaf)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_walk(v, leaf) for v in obj)
+    return obj
 
-    `torch.load(path)` returns it (tied entries share one storage, as `torch.save` would write them).
-    """
-    keys: dict[str, str] = {}
+
+def write_torch_object(path: str | os.PathLike, obj: Any, produce: Produce | None = None) -> None:
+    """`torch.save(obj, path)`, except that each TensorSpec inside `obj` is replaced by `produce(spec)`, one at
+    a time: every tensor is written and dropped before the next is produced, and only then is the object
+    pickled. Plain tensors inside `obj` are written as they are. Specs with equal names or an `alias_of`
+    share one storage; a spec's shape and dtype are checked against what `produce` returns."""
+    leaves: list[TensorSpec | torch.Tensor] = []
+    _walk(obj, lambda leaf: leaves.append(leaf))
+    records: dict[Any, tuple[str, tuple[int, ...], torch.dtype]] = {}  # spec name or id(tensor) -> storage
+
+    def ident(leaf: TensorSpec | torch.Tensor) -> Any:
+        return (leaf.alias_of or leaf.name) if isinstance(leaf, TensorSpec) else id(leaf)
+
     with zipfile.ZipFile(os.fspath(path), "w", zipfile.ZIP_STORED) as zf:
-        for spec in specs:
-            if spec.alias_of is not None:
+        for leaf in leaves:
+            if ident(leaf) in records or (isinstance(leaf, TensorSpec) and leaf.alias_of is not None):
                 continue
-            keys[spec.name] = str(len(keys))
-            tensor = _check(spec, produce(spec))
-            with _aligned_entry(zf, f"archive/data/{keys[spec.name]}") as out:
+            tensor = _check(leaf, produce(leaf)) if isinstance(leaf, TensorSpec) else leaf.detach().cpu().contiguous()
+            key = str(len(records))
+            with _aligned_entry(zf, f"archive/data/{key}") as out:
                 _write_all(out, tensor)
+            records[ident(leaf)] = (key, tuple(tensor.shape), tensor.dtype)
             del tensor
-        state = collections.OrderedDict((s.name, _TensorRef(keys[s.alias_of or s.name], s)) for s in specs)
         buf = io.BytesIO()
-        _RefPickler(buf, protocol=2).dump(state)
+        _RefPickler(buf, protocol=2).dump(_walk(obj, lambda leaf: _TensorRef(*records[ident(leaf)])))
         zf.writestr("archive/data.pkl", buf.getvalue())
         zf.writestr("archive/.format_version", "1")
         zf.writestr("archive/.storage_alignment", str(STORAGE_ALIGN))
         zf.writestr("archive/byteorder", sys.byteorder)
         zf.writestr("archive/version", "3\n")
+
+
+def write_torch_file(path: str | os.PathLike, specs: list[TensorSpec], produce: Produce) -> None:
+    """Write an ordered state dict in torch's format, producing one tensor at a time.
+
+    `torch.load(path)` returns it (tied entries share one storage, as `torch.save` would write them).
+    """
+    write_torch_object(path, collections.OrderedDict((s.name, s) for s in specs), produce)
 
 
 def write_safetensors_file(
