@@ -5,7 +5,8 @@ half-batches summed by reduce-scatter, norms summed per shard, the fused/native 
 order), so losses agree to rtol 1e-5. Weights agree to 2e-6 (a few fp32 ulps of weights ~0.02-1 after
 4 steps) for all but a few elements: Adam divides by sqrt(v), so where a gradient is a cancellation of
 large terms (a rare byte's embedding row) its rounding difference becomes a difference in the update of
-up to lr; we allow those on at most 0.5% of elements, bounded by 1e-4 (1% of one lr-sized step).
+up to lr; we allow those on at most 0.5% of a tensor's elements (or 4, for small tensors such as norms),
+bounded by 1e-4 (1% of one lr-sized step).
 bf16: both sides compute forward and backward in bf16 from identical bf16 weights, but two ranks round
 their half-batch gradients separately, and even on one rank a last-bit difference in the fp32 master
 (the clipping norm is summed in another order) can flip a bf16 rounding, after which the runs differ by
@@ -41,6 +42,9 @@ def _check(kind: str, world: int, results: list[dict], grad_accum: int, clip: fl
             assert torch.equal(other["state"][key], state[key])
 
 
+MIN_OUTLIERS = 4  # a small tensor (a 32-wide norm) may hold a few outliers too, not only a fraction
+
+
 def assert_weights_close(state: dict, ref_state: dict, dtype: str = "fp32") -> None:
     """Every weight within `bulk` of the reference but for a few outliers, and those within `worst`."""
     bulk, bulk_rel, outlier_frac, worst = (2e-6, 0.0, 5e-3, 1e-4) if dtype == "fp32" else (5e-3, 2**-6, 1e-2, 4e-2)
@@ -48,8 +52,11 @@ def assert_weights_close(state: dict, ref_state: dict, dtype: str = "fp32") -> N
     for key, ref in ref_state.items():
         diff = (state[key] - ref).abs()
         assert diff.max().item() <= worst, f"{key}: max |diff| {diff.max().item():.3g} > {worst}"
-        frac = (diff > bulk + bulk_rel * ref.abs()).float().mean().item()
-        assert frac <= outlier_frac, f"{key}: {frac:.2%} of elements differ by more than {bulk} + {bulk_rel}|w|"
+        outliers = int((diff > bulk + bulk_rel * ref.abs()).sum().item())
+        allowed = max(MIN_OUTLIERS, int(outlier_frac * ref.numel()))
+        assert outliers <= allowed, (
+            f"{key}: {outliers} of {ref.numel()} elements differ by more than {bulk} + {bulk_rel}|w|"
+        )
 
 
 MATRIX = list(itertools.product([1, 2], ["none", "cpu"], ["none", "cpu"], ["fp32", "bf16"], [1, 2]))

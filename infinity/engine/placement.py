@@ -89,10 +89,6 @@ class ShardPlacement:
         if self.home_tier != "device":
             self.store.evict(key)
 
-    def staged(self, flat: FlatParam) -> bool:
-        """True when acquiring the shard waits for no disk read (its home or a loaded copy is in memory)."""
-        return self.home_tier != "nvme" or bool({"host", "device"} & set(self.store.resident(param_key(flat))))
-
     def prefetch_to_host(self, flats: Iterable[FlatParam]) -> None:
         """Start reading NVMe-resident shards into host memory, in order, as far as the host budget allows."""
         if self.home_tier == "nvme":

@@ -22,9 +22,6 @@ class ShardSource(Protocol):
     def release(self, flat: FlatParam) -> None:
         """The shard returned by `acquire` is no longer needed on the device."""
 
-    def staged(self, flat: FlatParam) -> bool:
-        """True when `acquire` would not wait for a disk read."""
-
     def prefetch_to_host(self, flats: list[FlatParam]) -> None:
         """Start reading these shards from slower tiers into host memory, in order, as far as it fits."""
 

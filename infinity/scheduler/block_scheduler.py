@@ -113,28 +113,28 @@ class BlockScheduler:
             self._open_span = None
 
     def _prefetch(self, upcoming: list[int]) -> None:
-        """All-gather the next blocks within the bucket whose shards are in memory; read the others (and
-        the blocks beyond the bucket) ahead into host memory, so no disk read blocks the compute thread."""
+        """All-gather the next blocks within the bucket; read the blocks beyond it ahead into host memory.
+
+        Which blocks are all-gathered depends only on the trace and the limits, never on timing (such
+        as whether a read has finished), so every rank issues its collectives in the same order.
+        """
         budget = self.prefetch_bucket_elems
         live = self._live_elems()
-        to_host: list[int] = []
+        beyond: list[int] = []
         for position, index in enumerate(upcoming):
             block = self.blocks[index]
             if block.gathered or block.in_flight:
                 continue
             if block.numel > budget or live + block.numel > self.max_live_elems:
-                to_host.extend(upcoming[position:])
+                beyond = upcoming[position:]
                 break
-            budget -= block.numel
-            if not all(self.source.staged(f) for f in block.flats):
-                to_host.append(index)  # gathered at a later hook, once its shards are in memory
-                continue
             block.start_gather(self.source)
             self.prefetches_issued += 1
             if self.prof is not None:
                 self.prof.prefetch(block.name)
+            budget -= block.numel
             live += block.numel
-        ahead = dict.fromkeys(i for i in to_host if not (self.blocks[i].gathered or self.blocks[i].in_flight))
+        ahead = dict.fromkeys(i for i in beyond if not (self.blocks[i].gathered or self.blocks[i].in_flight))
         if ahead:
             self.source.prefetch_to_host([f for i in ahead for f in self.blocks[i].flats])
 
