@@ -14,6 +14,7 @@ from torch import nn
 from infinity.comm import CommGroup, init_distributed
 from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
 from infinity.engine.budgets import plan_budgets
+from infinity.engine.host_memory import return_freed_memory_to_os
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.placement import ShardPlacement
 from infinity.optim.loss_scaler import LossScaler
@@ -78,6 +79,7 @@ class InfinityEngine:
         self.compute_dtype = _DTYPES[cfg.compute_dtype_name]
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
+            return_freed_memory_to_os()  # block-sized buffers come and go: keep RSS near the live bytes
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
