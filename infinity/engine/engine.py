@@ -302,10 +302,12 @@ class InfinityEngine:
 
     @property
     def bytes_moved(self) -> dict[str, int]:
-        """Bytes moved between tiers so far, per "from->to" pair."""
+        """Bytes moved between tiers so far, per "from->to" pair (parameters, gradients, optimizer state)."""
         moved = dict(self.placement.bytes_moved)
         if self.optimizer.grad_bytes_to_host:
             moved["device->host"] = self.optimizer.grad_bytes_to_host
+        for pair, nbytes in getattr(self.optimizer, "nvme_bytes", {}).items():
+            moved[pair] = moved.get(pair, 0) + nbytes
         return moved
 
     @property

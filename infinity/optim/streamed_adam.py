@@ -41,6 +41,7 @@ class StreamedAdam(ShardedAdam):
         super().__init__(groups, adamw_mode, offloaded=True, param_sink=param_sink)
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
         self._norm_sq: dict[FlatParam, float] = {}
+        self.nvme_bytes = {"nvme->host": 0, "host->nvme": 0}  # optimizer state and gradients streamed
 
     def add_shard(self, flat: FlatParam, master: torch.Tensor, param_shard: torch.Tensor | None) -> None:
         """Write the master shard, zero moments and a gradient slot to NVMe; nothing stays in memory."""
@@ -56,7 +57,10 @@ class StreamedAdam(ShardedAdam):
         key = state_key("grad", flat)
         grad = shard_grad.to("cpu", dtype=torch.float32)
         self.grad_bytes_to_host += grad.numel() * grad.element_size()
+        nbytes = grad.numel() * 4
+        self.nvme_bytes["host->nvme"] += nbytes
         if state.has_grad:
+            self.nvme_bytes["nvme->host"] += nbytes
             held = self.store.fetch(key, "host").wait()
             try:
                 held.add_(grad)
@@ -103,6 +107,8 @@ class StreamedAdam(ShardedAdam):
             master, exp_avg, exp_avg_sq, grad = (self.store.fetch(k, "host").wait() for k in self._keys(flat))
             s.step += 1
             self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
+            self.nvme_bytes["nvme->host"] += 4 * master.numel() * 4
+            self.nvme_bytes["host->nvme"] += 3 * master.numel() * 4
             writes = [
                 self.store.write(state_key(n, flat), t)
                 for n, t in zip(STATE_NAMES, (master, exp_avg, exp_avg_sq), strict=True)
