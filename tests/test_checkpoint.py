@@ -113,3 +113,26 @@ def test_no_checkpoint_gives_a_clear_error(tmp_path):
     engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=ds_config(kind="mlp", micro_bs=2))
     with pytest.raises(CheckpointError, match="no 'latest'"):
         engine.load_checkpoint(str(tmp_path))
+
+
+def test_deepspeed_load_options_restore_only_what_they_name(tmp_path):
+    engine, folder = _saved_engine(tmp_path)
+    saved = engine.full_state_dict()
+    fresh, _, _, _ = infinity.initialize(model=make_model("mlp", seed=5), config=ds_config(kind="mlp", micro_bs=2))
+    fresh.load_checkpoint(str(tmp_path), load_module_only=True)
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in saved.items())
+    assert fresh.global_steps == 0
+    for flat in fresh.optimizer.shard_states:
+        assert not fresh.optimizer.read_state(flat)["exp_avg"].any()  # moments stay the fresh engine's
+    other, _, _, _ = infinity.initialize(model=make_model("mlp", seed=6), config=ds_config(kind="mlp", micro_bs=2))
+    other.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    assert other.global_steps == engine.global_steps
+    assert all(not s.step for s in other.optimizer.shard_states.values())
+
+
+def test_save_without_latest_leaves_the_pointer(tmp_path):
+    engine, _ = _saved_engine(tmp_path)
+    _train(engine, batches("mlp", 2), 1)
+    engine.save_checkpoint(str(tmp_path), tag="extra", save_latest=False)
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert (tmp_path / "extra").is_dir()

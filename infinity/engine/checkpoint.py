@@ -145,7 +145,9 @@ def _flat_metadata(engine: InfinityEngine) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: str | None, client_state: dict) -> Path:
+def save_checkpoint(
+    engine: InfinityEngine, save_dir: str | os.PathLike, tag: str | None, client_state: dict, save_latest: bool = True
+) -> Path:
     """Write this rank's shards and state; returns the checkpoint folder."""
     comm = engine.comm
     tag = tag or f"global_step{engine.global_steps}"
@@ -207,12 +209,12 @@ def save_checkpoint(engine: InfinityEngine, save_dir: str | os.PathLike, tag: st
     _write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
     comm.barrier("checkpoint files written")
     if comm.rank == 0:
-        _publish(root, staging, final, tag)
+        _publish(root, staging, final, tag, save_latest)
     comm.barrier("checkpoint published")
     return final
 
 
-def _publish(root: Path, staging: Path, final: Path, tag: str) -> None:
+def _publish(root: Path, staging: Path, final: Path, tag: str, save_latest: bool = True) -> None:
     """Rename the finished staging folder to `final` and point `latest` at it, each step atomic."""
     _fsync_dir(staging)
     old = root / f".{tag}.old"
@@ -220,9 +222,10 @@ def _publish(root: Path, staging: Path, final: Path, tag: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(staging, final)
-    latest_tmp = root / f".{LATEST}.tmp"
-    _write_text(latest_tmp, tag)
-    os.replace(latest_tmp, root / LATEST)
+    if save_latest:
+        latest_tmp = root / f".{LATEST}.tmp"
+        _write_text(latest_tmp, tag)
+        os.replace(latest_tmp, root / LATEST)
     _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
 
@@ -341,8 +344,21 @@ class CheckpointFiles:
         self.close()
 
 
-def load_checkpoint(engine: InfinityEngine, load_dir: str | os.PathLike, tag: str | None) -> tuple[Path, dict]:
-    """Restore every rank's shards and state from `load_dir/tag` (or the tag `latest` names)."""
+def load_checkpoint(
+    engine: InfinityEngine,
+    load_dir: str | os.PathLike,
+    tag: str | None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[Path, dict]:
+    """Restore every rank's shards and state from `load_dir/tag` (or the tag `latest` names).
+
+    As in DeepSpeed: `load_module_only` restores the weights alone (fp32 masters included, so training
+    continues from exactly them); `load_optimizer_states=False` keeps the engine's Adam moments and
+    step counts; `load_lr_scheduler_states=False` keeps its schedule.
+    """
+    optimizer_too = load_optimizer_states and not load_module_only
     folder = resolve_folder(load_dir, tag)
     comm = engine.comm
     saved_world = int(read_manifest(folder, 0)["world_size"])
@@ -366,22 +382,28 @@ def load_checkpoint(engine: InfinityEngine, load_dir: str | os.PathLike, tag: st
                 engine.placement.assign(flat, files.read_range("param", flat.name, start, end))
             for flat, state in engine.optimizer.shard_states.items():
                 start, end = flat.shard_range
-                values = {kind: files.read_range(kind, flat.name, start, end) for kind in OPTIM_STATES}
-                engine.optimizer.load_state(flat, values)
-                state.step = optim_states["shards"][flat.name]["step"]
+                if optimizer_too:
+                    values = {kind: files.read_range(kind, flat.name, start, end) for kind in OPTIM_STATES}
+                    engine.optimizer.load_state(flat, values)
+                    state.step = optim_states["shards"][flat.name]["step"]
+                else:
+                    engine.optimizer.set_master(flat, files.read_range("master", flat.name, start, end))
             buffers = dict(engine.module.named_buffers())
             for key, value in model_states["buffers"].items():
                 buffers[key].copy_(model_reader.load(value))
-        for group, saved in zip(engine.optimizer.param_groups, optim_states["param_groups"], strict=True):
-            group.update(saved)
-        engine.optimizer.sync_step_counts()
-        engine.global_steps = model_states["global_steps"]
-        engine.micro_steps = model_states["micro_steps"]
-        engine.loss_scaler.load_state_dict(model_states["loss_scaler"])
-        if engine.lr_scheduler is not None and model_states["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
-        _set_rng_state(model_reader.materialize(model_states["rng"]))
         client_state = model_reader.materialize(model_states["client_state"])
+        if optimizer_too:
+            for group, saved in zip(engine.optimizer.param_groups, optim_states["param_groups"], strict=True):
+                group.update(saved)
+            engine.optimizer.sync_step_counts()
+        if not load_module_only:
+            engine.global_steps = model_states["global_steps"]
+            engine.micro_steps = model_states["micro_steps"]
+            engine.loss_scaler.load_state_dict(model_states["loss_scaler"])
+            _set_rng_state(model_reader.materialize(model_states["rng"]))
+        if load_lr_scheduler_states and not load_module_only and engine.lr_scheduler is not None:
+            if model_states["lr_scheduler"] is not None:
+                engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
     engine.persistent.release()  # re-gathered from the restored shards at the next forward
     return folder, client_state
 

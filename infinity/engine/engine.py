@@ -341,17 +341,28 @@ class InfinityEngine:
     def skipped_steps(self) -> int:
         return self.loss_scaler.skipped_steps
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
+    ) -> str:
         """Write a sharded checkpoint (every rank calls this); returns its folder."""
         from infinity.engine.checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self, save_dir, tag, client_state or {}))
+        return str(save_checkpoint(self, save_dir, tag, client_state or {}, save_latest))
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict]:
         """Restore a checkpoint written by `save_checkpoint`; returns (its folder, the client state)."""
         from infinity.engine.checkpoint import load_checkpoint
 
-        folder, client_state = load_checkpoint(self, load_dir, tag)
+        folder, client_state = load_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
         return str(folder), client_state
 
     def iter_full_state(self):
