@@ -107,6 +107,20 @@ def test_step_equals_torch_formula_bitwise(path, n, mode):
     assert_bitwise(v, rv, "exp_avg_sq")
 
 
+@pytest.mark.parametrize("beta1", (0.0, 0.3, 0.5))
+@pytest.mark.parametrize("path", PATHS)
+def test_beta1_at_most_half_takes_torchs_other_lerp_branch_bitwise(path, beta1):
+    n = 1023
+    p, m, v = random_state(n)
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    kw = {**flat_kwargs("adamw"), "beta1": beta1, "beta2": 0.9}
+    for step, g in enumerate(random_grads(n, 10), start=1):
+        adam_step_flat(p, g, m, v, step=step, simd=path, **kw)
+        reference_step(rp, g, rm, rv, step=step, **kw)
+    assert_bitwise(m, rm, "exp_avg")
+    assert_bitwise(p, rp, "param")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("path", PATHS)

@@ -27,8 +27,8 @@ HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 Step = Callable[[], None]
 
 
-def interleaved_median_ms(contenders: dict[str, Step], steps: int, warmup: int) -> dict[str, float]:
-    """Median wall time per contender over `steps` rounds (after `warmup`), in milliseconds."""
+def interleaved_times_ms(contenders: dict[str, Step], steps: int, warmup: int) -> dict[str, list[float]]:
+    """Wall time of each contender's step in each of `steps` rounds (after `warmup`), in milliseconds."""
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(warmup + steps):
@@ -37,8 +37,8 @@ def interleaved_median_ms(contenders: dict[str, Step], steps: int, warmup: int) 
             start = time.perf_counter()
             contenders[name]()
             if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,7 +167,8 @@ def main() -> None:
     else:
         r["deepspeed_error"] = error
 
-    ms = interleaved_median_ms(contenders, args.steps, args.warmup)
+    times = interleaved_times_ms(contenders, args.steps, args.warmup)
+    ms = {name: statistics.median(t) for name, t in times.items()}
     r["limit_ms"] = ms["limit"]
     r["limit_gbps"] = gbps(n, ms["limit"])
     for name in ("torch_foreach", "torch_fused", "deepspeed", "infinity", "torch_fused_plus_cast",
@@ -182,7 +183,7 @@ def main() -> None:
     r["speedup_bf16_copy_vs_torch"] = ratio(r["torch_fused_plus_cast_ms"], ms["infinity_bf16_copy"])
 
     for name, value in ms.items():
-        print(f"{name:24s} {value:9.2f} ms")
+        print(f"{name:24s} median {value:9.2f} ms   (min {min(times[name]):9.2f}, max {max(times[name]):9.2f})")
     print(f"limit {r['limit_gbps']:.1f} GB/s; infinity {r['infinity_gbps']:.1f} GB/s "
           f"= {r['fraction_of_limit']:.3f} of the limit")  # fmt: skip
     print(f"speedup vs best torch {r['speedup_vs_torch']}, vs deepspeed {r['speedup_vs_deepspeed']}, "
