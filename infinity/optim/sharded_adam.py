@@ -90,12 +90,16 @@ class ShardedAdam(torch.optim.Optimizer):
             state.has_grad = True
 
     def local_grad_norm_sq(self) -> torch.Tensor:
-        """Sum of squares of this rank's gradient shards (fp64 scalar on CPU); inf/nan if they overflowed."""
-        total = torch.zeros((), dtype=torch.float64)
+        """Sum of squares of this rank's gradient shards (fp64 scalar on CPU); inf/nan if they overflowed.
+
+        Each shard's norm is taken in fp32 (an fp64 copy would double the shard's memory) and the
+        squares are summed in double.
+        """
+        total = 0.0
         for state in self.shard_states.values():
             if state.has_grad:
-                total += torch.linalg.vector_norm(state.grad, dtype=torch.float64).cpu() ** 2
-        return total
+                total += float(torch.linalg.vector_norm(state.grad)) ** 2
+        return torch.tensor(total, dtype=torch.float64)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for state in self.shard_states.values():

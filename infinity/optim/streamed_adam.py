@@ -67,12 +67,12 @@ class StreamedAdam(ShardedAdam):
                 self.store.write(key, held).wait()
                 grad = held
                 if final:
-                    self._norm_sq[flat] = float(torch.linalg.vector_norm(held, dtype=torch.float64) ** 2)
+                    self._norm_sq[flat] = float(torch.linalg.vector_norm(held)) ** 2
             finally:
                 self.store.release(key, "host")
         else:
             if final:
-                self._norm_sq[flat] = float(torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2)
+                self._norm_sq[flat] = float(torch.linalg.vector_norm(grad)) ** 2
             self._grad_writes.append((self.store.write(key, grad), grad))
             while len(self._grad_writes) > self.window:
                 self._grad_writes.popleft()[0].wait()

@@ -111,10 +111,14 @@ class FlatParam:
         """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none)."""
         if not any(p.grad is not None for p in self.params):
             return None
-        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.full.device)
+        flat = torch.empty(self.padded_numel, dtype=torch.float32, device=self.full.device)
         for slot, p in zip(self.slots, self.params, strict=True):
-            if p.grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+            piece = flat[slot.offset : slot.offset + slot.numel]
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
+        flat[self.numel :].zero_()  # the padding
         return flat
 
     def clear_grads(self) -> None:

@@ -125,14 +125,16 @@ class BlockScheduler:
             block = self.blocks[index]
             if block.gathered or block.in_flight:
                 continue
-            if block.numel > budget or live + block.numel > self.max_live_elems:
+            # as in DeepSpeed, a non-zero bucket always takes the next block, even one larger than the bucket
+            first = 0 < budget == self.prefetch_bucket_elems
+            if (block.numel > budget and not first) or live + block.numel > self.max_live_elems:
                 beyond = upcoming[position:]
                 break
             block.start_gather(self.source)
             self.prefetches_issued += 1
             if self.prof is not None:
                 self.prof.prefetch(block.name)
-            budget -= block.numel
+            budget = max(0, budget - block.numel)
             live += block.numel
         ahead = dict.fromkeys(i for i in beyond if not (self.blocks[i].gathered or self.blocks[i].in_flight))
         if ahead:

@@ -18,8 +18,6 @@ from infinity.storage.errors import BudgetError
 Reclaim = Callable[[int], bool]  # asked to free memory for a request of n bytes; True if it freed any
 
 
-RECLAIM_POLL_S = 0.01  # how often a waiter retries reclaiming cached copies
-
 
 class BudgetedAllocator:
     """Base of the host buffer pool and the device memory: live bytes <= budget_bytes, always."""
@@ -78,9 +76,7 @@ class BudgetedAllocator:
                             f"{self.budget_bytes} budget bytes stay in use and none came back. Release fetched "
                             "copies (or wait for in-flight moves) before asking for more"
                         )
-                    # Also wake now and then: a copy whose read just finished becomes reclaimable without
-                    # any release to announce it.
-                    self._cond.wait_for(lambda s=seen: self._releases != s, timeout=min(left, RECLAIM_POLL_S))
+                    self._cond.wait_for(lambda s=seen: self._releases != s, timeout=left)
         finally:
             with self._cond:
                 self._waiting -= 1

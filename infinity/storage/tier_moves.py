@@ -163,6 +163,7 @@ class TierMover:
                 if shard.copies.get(copy.tier) is copy:
                     self._free_copy(shard, copy)
             copy.ready.set()
+            copy.finish = None  # the job refers back to the copy: break the cycle so freed buffers go at once
             if error is None and copy.refs == 0:
                 self._mem[copy.tier].poke()  # a waiter may reclaim this copy now that it is loaded
 
@@ -323,6 +324,7 @@ class TierMover:
         if shard.copies.get(copy.tier) is not copy:
             return  # freed already: its memory may belong to another copy by now
         del shard.copies[copy.tier]
+        copy.finish = None
         if self._idle[copy.tier].get(shard.key) is copy:
             del self._idle[copy.tier][shard.key]
         self._mem[copy.tier].release(copy.buf)
