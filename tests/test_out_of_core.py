@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import LR, WEIGHT_DECAY, batches
-from out_of_core_cases import gpt_config, nvme_config, train_from_init
+from engine_cases import WEIGHT_DECAY, batches
+from out_of_core_cases import LR, gpt_config, nvme_config, train_from_init
 from test_engine_correctness import assert_weights_close
 
 import infinity
