@@ -4,6 +4,8 @@ infinity [train] [...]            train (the embedded default job with no argume
 infinity config [FILE] [...]      print a config resolved as `infinity train` would, every default filled in
 infinity consolidate CKPT OUT     write one full fp32 state dict from a sharded checkpoint
 infinity estimate --params N      memory needed per offload choice, and the largest model that fits here
+infinity profile TRACE... [--out DIR]   summarize and diagnose swap traces (`infinity train --profile`)
+infinity tune --config FILE [...] try offload settings in short trials, write the fastest as FILE's .tuned.json
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import json
 import sys
 
-COMMANDS = ("train", "config", "consolidate", "estimate")
+COMMANDS = ("train", "config", "consolidate", "estimate", "profile", "tune")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--format", choices=("torch", "safetensors"), help="default: from OUT's suffix")
 
     estimate.add_arguments(sub.add_parser("estimate", help="memory needed under each offload choice"))
+
+    from infinity.cli.tune import add_tune_arguments
+    from infinity.profiler.cli import add_profile_arguments
+
+    add_profile_arguments(sub.add_parser("profile", help="summarize and diagnose swap traces"))
+    add_tune_arguments(sub.add_parser("tune", help="find faster offload settings for this machine in short trials"))
     return parser
 
 
@@ -91,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         return _config(args)
     if args.command == "consolidate":
         return _consolidate(args)
+    if args.command == "profile":
+        from infinity.profiler.cli import run_profile
+
+        return run_profile(args)
+    if args.command == "tune":
+        from infinity.cli.tune import run_tune
+
+        return run_tune(args)
     from infinity.cli.estimate import run
 
     return run(args)

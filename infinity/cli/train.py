@@ -69,6 +69,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (default: the config's)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record swap traces into <save-dir>/profile (read them: infinity profile)",
+    )
 
 
 # -- the config --------------------------------------------------------------------------------
@@ -118,11 +123,24 @@ def _with_dtype(cfg: InfinityConfig, dtype: str | None) -> InfinityConfig:
     )
 
 
+def profile_path(args: argparse.Namespace) -> Path:
+    """Where `--profile` writes the swap traces: <save-dir>/profile."""
+    return Path(args.save_dir) / "profile"
+
+
+def _with_profile(cfg: InfinityConfig, args: argparse.Namespace) -> InfinityConfig:
+    if not getattr(args, "profile", False):
+        return cfg
+    return dataclasses.replace(
+        cfg, profiler=dataclasses.replace(cfg.profiler, enabled=True, path=str(profile_path(args)))
+    )
+
+
 def build_config(args: argparse.Namespace, hidden_size: int | None) -> InfinityConfig:
-    """The run's config: --config (or the default), --offload / --nvme-path / --dtype, "auto" resolved."""
+    """The run's config: --config (or the default), --offload / --nvme-path / --dtype / --profile, "auto" resolved."""
     raw = args.config if args.config else copy.deepcopy(DEFAULT_CONFIG)
     cfg = load_config(raw)
-    cfg = _with_dtype(_with_offload(cfg, args.offload, args.nvme_path), args.dtype)
+    cfg = _with_profile(_with_dtype(_with_offload(cfg, args.offload, args.nvme_path), args.dtype), args)
     return resolve_auto(cfg, hidden_size, auto_values(args))
 
 
@@ -263,4 +281,6 @@ def run_train(args: argparse.Namespace) -> int:
     )
     say(f"checkpoint written to {folder}")
     say(f"full weights: infinity consolidate {args.save_dir} model.pt   resume: add --resume")
+    if getattr(args, "profile", False):
+        say(f"swap traces in {profile_path(args)}: infinity profile {profile_path(args)}")
     return 0

@@ -3,7 +3,8 @@
 HF's Trainer fills "auto" from its TrainingArguments (batch size, accumulation, learning rate, Adam
 betas/eps, weight decay, max_grad_norm, warmup and total steps, fp16/bf16) and from the model's
 hidden size (reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h,
-stage3_param_persistence_threshold = 10*h). Here `AutoValues` plays the TrainingArguments' part:
+stage3_param_persistence_threshold = 10*h). Sizes written in bytes ("64MB") become elements of the
+resolved compute dtype here too. Here `AutoValues` plays the TrainingArguments' part:
 `infinity train` builds one from its arguments and defaults. An "auto" left without a value is an
 error naming the key, never a silent default.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infinity.config.schema import AUTO, ConfigError
+from infinity.config.sizes import resolve_byte_sizes
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -122,4 +124,5 @@ def resolve_auto(cfg: Any, hidden_size: int | None, values: AutoValues | None = 
             f'config value(s) {", ".join(repr(k) for k in left)} are "auto" and nothing here resolves them{why}; '
             'replace "auto" with a value, or train with `infinity train`, which fills "auto" from its arguments'
         )
-    return resolved
+    zero = resolve_byte_sizes(resolved.zero_optimization, resolved.compute_dtype_name, "zero_optimization")
+    return dataclasses.replace(resolved, zero_optimization=zero)

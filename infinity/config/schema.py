@@ -28,16 +28,22 @@ def option(
     min_value: float | None = None,
     max_value: float | None = None,
     allow_auto: bool = False,
+    allow_bytes: bool = False,
     default_factory: Any = dataclasses.MISSING,
     doc: str = "",
 ) -> Any:
-    """A dataclass field with the JSON rules `parse_section` enforces."""
+    """A dataclass field with the JSON rules `parse_section` enforces.
+
+    `allow_bytes`: an element count that may be written as a size in bytes ("64MB"); the string is kept
+    until `resolve_auto` converts it with the compute dtype (see `infinity.config.sizes`).
+    """
     meta = {
         "aliases": aliases,
         "choices": choices,
         "min": min_value,
         "max": max_value,
         "auto": allow_auto,
+        "bytes": allow_bytes,
         "doc": doc,
     }
     if default_factory is not dataclasses.MISSING:
@@ -129,6 +135,12 @@ def parse_section(cls: type, data: dict[str, Any], path: str = "") -> Any:
             if not meta.get("auto"):
                 raise ConfigError(f"'{full}' does not accept \"auto\"")
             values[f.name] = AUTO
+            continue
+        if meta.get("bytes") and isinstance(value, str):
+            from infinity.config.sizes import parse_bytes  # here: sizes imports this module
+
+            parse_bytes(value, full)  # a ConfigError naming the key unless it is a size with a unit
+            values[f.name] = value.strip()
             continue
         converted = _convert(value, hints[f.name], full)
         choices = meta.get("choices")

@@ -69,7 +69,9 @@ class ZeroConfig:
     block_size_elems: int = option(
         10_000_000, min_value=1, doc="without block_classes: group modules into blocks of about this size"
     )
-    stage3_prefetch_bucket_size: int = option(50_000_000, min_value=0, allow_auto=True)
+    stage3_prefetch_bucket_size: int = option(
+        50_000_000, min_value=0, allow_auto=True, allow_bytes=True, doc='elements, or bytes with a unit ("64MB")'
+    )
     stage3_param_persistence_threshold: int = option(100_000, min_value=0, allow_auto=True)
     stage3_max_live_parameters: int = option(1_000_000_000, min_value=0)
     stage3_max_reuse_distance: int = option(1_000_000_000, min_value=0)
