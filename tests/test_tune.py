@@ -161,6 +161,7 @@ def test_a_lucky_trial_that_does_not_repeat_is_reverted():
         ("confirm aio.queue_depth = 2", "not confirmed: back to 1"),
         ("re-run aio.queue_depth = 1", "as fast"),
     ]
+    assert result.threshold == 0.25  # two runs of queue depth 2 differed 2x: a gain must now be large
 
 
 def test_a_second_pair_breaks_a_tie_against_a_real_gain():
@@ -201,6 +202,41 @@ def test_on_a_noisy_machine_a_flat_grid_gets_a_second_look():
         ("re-run aio.queue_depth = 1", "reference"),
         ("confirm aio.queue_depth = 4", "confirmed"),
         ("re-run aio.queue_depth = 1", "slower, as before"),
+    ]
+
+
+def test_a_knob_that_does_not_matter_gets_no_second_look():
+    def measure(settings):  # noisy steps, the same for every queue depth
+        return TrialResult(step_s=[1.0, 1.5, 2.0, 2.5, 3.0])
+
+    result = CoordinateDescent([Knob(QUEUE_DEPTH, (1, 2, 4))], {QUEUE_DEPTH: 1}, measure, Budget(60)).run()
+    assert [t.change for t in result.trials] == ["baseline", "aio.queue_depth 1 -> 2", "aio.queue_depth 1 -> 4"]
+
+
+class _TrialBudget(Budget):
+    """A budget of a fixed number of trials, for a search whose trials take no time."""
+
+    def __init__(self, trials: int) -> None:
+        super().__init__(60)
+        self.trials = trials
+
+    def fits(self, trials: int = 1) -> bool:
+        return len(self.walls_s) + trials <= self.trials
+
+
+def test_without_budget_for_a_tie_break_all_runs_of_both_settings_decide():
+    calls = {"n": 0}
+
+    def measure(settings):
+        calls["n"] += 1
+        fast = settings[QUEUE_DEPTH] == 2 and calls["n"] == 2  # the grid's run; its confirmation ran in a burst
+        return TrialResult(step_s=[0.4 if fast else 1.0] * 5)
+
+    knob = Knob(QUEUE_DEPTH, (1, 2))
+    result = CoordinateDescent([knob], {QUEUE_DEPTH: 1}, measure, _TrialBudget(5)).run()
+    assert result.best.settings == {QUEUE_DEPTH: 2}  # median of its 10 steps 0.7 vs 1.0 for depth 1
+    assert result.notes == [
+        "aio.queue_depth = 2 chosen on all its runs so far (no budget left for a tie-breaking pair)"
     ]
 
 
@@ -364,19 +400,20 @@ def test_tune_finds_a_faster_config_than_a_bad_one(tmp_path):
     """Tune a bad config's aio request size, then time the bad and the tuned config again, interleaved.
 
     What is asserted, and why this way: the machine running the tests is shared and noisy (other
-    jobs' I/O and CPU come and go within seconds; the same config's median step has varied 3x between
-    two trials here), so no speedup figure can be asserted. Tune's own decisions are guarded against
-    that: a move counts only past the noise and is re-measured back to back with the previous best.
-    The test then checks (1) the direction: tune raised `aio.block_size` from 4 KiB, which cuts the
-    serialized requests per step by 4x or more, a gain load can hide but not reverse, and changed
-    nothing else; and (2) the timing: bad and tuned re-measured back to back in three rounds of
-    alternating order, the tuned config's step time may not exceed the bad one's by more than a 10%
-    noise margin: not slower beyond noise. The step time compared is the lower quartile of each
-    config's pooled steps rather than the median: load only ever adds time, and bursts here have
-    covered two of three rounds of one config (its median then measured the burst, not the config);
-    the lower quartile stands as long as a quarter of the steps ran unhindered. On a quiet machine
-    the tuned config is several times faster; both statistics are printed. The search is restricted to the one knob
-    (`--knobs`) to fit the test's time: every trial of the bad config costs seconds.
+    jobs' CPU, memory bandwidth and I/O come and go within seconds; one config's median step has
+    varied 5x between two runs a minute apart), so no speedup figure can be asserted. Tune guards its
+    own decisions against that: a move counts only past the measured noise and is re-measured back
+    to back with the previous best. Under a long enough burst it keeps the config as given rather
+    than guess; the test then runs it once more. The test checks (1) the direction: tune raised
+    `aio.block_size` from 4 KiB, which cuts the serialized requests per step by 4x or more, a gain
+    load can hide but not reverse, and changed nothing else; and (2) the timing: bad and tuned
+    re-measured back to back in three rounds of alternating order, the tuned config's step time may
+    not exceed the bad one's by more than a 10% noise margin (not slower beyond noise). The step
+    time compared is the lower quartile of each config's pooled steps rather than the median: load
+    only ever adds time, and bursts here have covered two of three rounds of one config (its median
+    then measured the burst); the lower quartile stands while a quarter of the steps ran unhindered.
+    On a quiet machine the tuned config is several times faster; both statistics are printed. The
+    search is restricted to one knob (`--knobs`) to fit the test's time: a bad trial costs seconds.
     """
     nvme = tmp_path / "nvme"
     bad_path = tmp_path / "bad.json"
@@ -386,9 +423,12 @@ def test_tune_finds_a_faster_config_than_a_bad_one(tmp_path):
 
     args = ["tune", "--config", str(bad_path), "--model", MODEL, "--seq", str(SEQ), "--steps", "6"]
     args += ["--knobs", "block_size", "--budget-minutes", "1"]
-    done = _python_m_infinity(args, cwd=tmp_path, timeout=150)
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+    for _attempt in range(2):  # see the docstring: under heavy load tune may, rightly, keep the config once
+        done = _python_m_infinity(args, cwd=tmp_path, timeout=150)
+        assert done.returncode == 0, done.stdout + done.stderr
+        out = done.stdout
+        if "best: the config as given" not in out:
+            break
     assert "median step s" in out and "speedup" in out and "baseline" in out, out
     tuned_path = tmp_path / "bad.tuned.json"
     assert f"wrote {tuned_path}" in out and f"infinity train --config {tuned_path} --model small" in out, out
@@ -418,7 +458,7 @@ def test_tune_sizes_auto_prefetch_from_a_profiled_trial(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(raw))
     args = ["tune", "--config", str(path), "--model", "tiny", "--steps", "3", "--knobs", "stage3_prefetch_bucket_size"]
-    done = _python_m_infinity([*args, "--budget-minutes", "0.2"], cwd=tmp_path, timeout=120)
+    done = _python_m_infinity([*args, "--budget-minutes", "0.5"], cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "auto prefetch: parameter reads nvme->host at" in done.stdout, done.stdout
     assert "(auto)" in done.stdout and (tmp_path / "cfg.tuned.json").is_file()

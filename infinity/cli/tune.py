@@ -99,10 +99,8 @@ def _job(args: argparse.Namespace, work_dir: Path):
             file=sys.stderr,
         )
     if not names:
-        raise ConfigError(
-            f"no knob to tune: {args.knobs or 'the config offloads nothing to NVMe and'} "
-            "(buffer counts and aio settings apply only with NVMe offload)"
-        )
+        why = f"--knobs {args.knobs} do not apply to this config" if args.knobs else "nothing is offloaded to NVMe"
+        raise ConfigError(f"no knob to tune: {why} (buffer counts and aio settings apply only with NVMe offload)")
     return TuneJob(
         raw=raw,
         resolved=resolved,
@@ -158,12 +156,15 @@ def run_tune(args: argparse.Namespace) -> int:
         print()
         for note in outcome.notes:
             print(f"note: {note}")
-        speedup = search.baseline.median_s / search.best.median_s
-        print(
-            f"best: {describe_changes(outcome.start, outcome.best)}; median step {search.best.median_s:.4f} s vs "
-            f"{search.baseline.median_s:.4f} s as given ({speedup:.2f}x); a trial counted as faster when "
-            f"{search.threshold:.0%} below the best"
-        )
+        noise = f"gains under {search.threshold:.0%} counted as noise"
+        if outcome.best == outcome.start:
+            print(f"best: the config as given; no change was faster beyond the noise ({noise})")
+        else:
+            speedup = search.baseline.median_s / search.best.median_s
+            print(
+                f"best: {describe_changes(outcome.start, outcome.best)}; median step {search.best.median_s:.4f} s "
+                f"vs {search.baseline.median_s:.4f} s as given ({speedup:.2f}x; {noise})"
+            )
         out = Path(args.out) if args.out else tuned_path(args.config)
         out.write_text(json.dumps(tuned_config(job.raw, job.knobs, outcome.start, outcome.best), indent=2) + "\n")
         print(f"wrote {out}")
@@ -172,14 +173,3 @@ def run_tune(args: argparse.Namespace) -> int:
     finally:
         if not args.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m infinity.cli.tune ...` (the `infinity tune` subcommand without the dispatcher)."""
-    parser = argparse.ArgumentParser(prog="infinity tune", description=__doc__.splitlines()[0])
-    add_tune_arguments(parser)
-    return run_tune(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

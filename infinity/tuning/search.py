@@ -2,13 +2,17 @@
 
 For each knob in order: try its measured candidates (the "auto" prefetch) and GRID_STEPS ladder
 values on each side of the current value; the fastest of them wins if its median step is below the
-best's by more than the noise threshold (a single noisy trial cannot end a knob's search, as it
-would a plain line search); on a noisy machine, a grid with no winner gets a second look at its
-fastest value, back to back with the best. A winner at the grid's edge keeps stepping the same way
-while each step is faster. When a knob moved, the new best and the previous best are run again back to back, and
-the knob keeps its new value only if it is still faster by the threshold (a second pair breaks a
-tie between this pair and the trial that chose it); otherwise it goes back.
-No trial starts once the budget's deadline is nearer than the recent trials took.
+best's by more than the noise threshold. A single noisy trial cannot end a knob's search, as it
+would a plain line search; on a noisy machine, a grid whose every value looks slower beyond the
+noise (a burst of load, most likely) gets a second look at its fastest value, back to back with
+the best. A winner at the grid's edge keeps stepping the same way while each step is faster. When
+a knob moved, the new best and the previous best are run again back to back, and the knob keeps
+its new value only if it is still faster by the threshold (a second pair breaks a tie between this
+pair and the trial that chose it); otherwise it goes back.
+
+The threshold starts from the spread of the baseline's steps and rises to the typical gap between
+repeated runs of identical settings as they happen. No trial starts once the budget's deadline is
+nearer than the recent trials took.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class SearchResult:
     trials: list[Trial] = field(default_factory=list)
     stopped_by_budget: bool = False
     threshold: float = MIN_GAIN  # the relative gain that counted as faster
-    unconfirmed: list[str] = field(default_factory=list)  # knobs moved on one run: no budget to confirm
+    notes: list[str] = field(default_factory=list)  # decisions taken on less evidence, for lack of budget
 
 
 def noise_threshold(step_s: list[float], floor: float = MIN_GAIN) -> float:
@@ -128,7 +132,9 @@ class CoordinateDescent:
         self.min_gain = min_gain
         self.trials: list[Trial] = []
         self.threshold = min_gain  # set from the baseline's spread once it has run
-        self.unconfirmed: list[str] = []  # knobs moved without the budget for a confirmation
+        self.notes: list[str] = []  # decisions taken on less evidence than usual, for lack of budget
+        self._medians: dict[tuple, list[float]] = {}  # settings -> median step of each of their runs
+        self._repeat_gaps: list[float] = []  # relative differences between runs of identical settings
 
     def _run(self, settings: Settings, change: str) -> Trial:
         began = time.monotonic()
@@ -137,7 +143,23 @@ class CoordinateDescent:
         self.budget.note(wall_s)
         trial = Trial(len(self.trials), change, dict(settings), result, wall_s)
         self.trials.append(trial)
+        if self._ok(trial):
+            self._note_repeat(trial)
         return trial
+
+    def _note_repeat(self, trial: Trial) -> None:
+        """Raise the threshold to the typical difference between runs of identical settings.
+
+        The baseline's spread measures the noise within one run; a burst of load that lasts a whole
+        run shows only between runs, as two runs of the same settings that differ.
+        """
+        key = tuple(sorted(trial.settings.items()))
+        for earlier in self._medians.get(key, []):
+            self._repeat_gaps.append(abs(trial.median_s - earlier) / min(trial.median_s, earlier))
+        self._medians.setdefault(key, []).append(trial.median_s)
+        if self._repeat_gaps:
+            between = statistics.median(self._repeat_gaps)
+            self.threshold = min(MAX_GAIN, max(self.threshold, between))
 
     def _report(self, trial: Trial, verdict: str) -> None:
         trial.verdict = verdict if trial.result.error is None else f"failed: {trial.result.error}"
@@ -158,7 +180,7 @@ class CoordinateDescent:
             best, out_of_budget = self._search_knob(knob, best)
             if out_of_budget:
                 break
-        return SearchResult(baseline, best, self.trials, out_of_budget, self.threshold, self.unconfirmed)
+        return SearchResult(baseline, best, self.trials, out_of_budget, self.threshold, self.notes)
 
     def _better(self, trial: Trial, best: Best) -> bool:
         return trial.median_s < best.median_s * (1 - self.threshold)
@@ -200,15 +222,20 @@ class CoordinateDescent:
         return self._confirm(knob, before, best), out_of_budget
 
     def _second_look(self, knob: Knob, before: Best, grid: list[tuple[Trial, Best]]) -> Best | None:
-        """On a noisy machine, the grid's fastest value run again back to back with `before`: the winner, or None.
+        """The grid's fastest value run again, back to back with `before`, when the grid looks hit by load.
 
-        A burst of load as long as the grid makes every value look slow; on a quiet machine (threshold
-        below SECOND_LOOK_NOISE) the grid's answer stands and this costs nothing.
+        A burst of load as long as the grid makes every value look slower than the start beyond the
+        noise, which a knob's neighbours rarely all are: on a noisy machine (threshold at least
+        SECOND_LOOK_NOISE) such a grid gets this second look. Returns the winner, or None. A grid about
+        as fast as the start (a knob that does not matter) and a quiet machine cost nothing here.
         """
         ok = [(t, b) for t, b in grid if self._ok(t)]
         if self.threshold < SECOND_LOOK_NOISE or not ok or not self.budget.fits(2):
             return None
-        value = min(ok, key=lambda w: w[0].median_s)[1].settings[knob.name]
+        fastest = min(ok, key=lambda w: w[0].median_s)
+        if fastest[0].median_s * (1 - self.threshold) <= before.median_s:
+            return None  # not all slower beyond the noise: the grid's answer stands
+        value = fastest[1].settings[knob.name]
         look, candidate = self._trial(knob, before.settings, value, " (second look)")
         reference = self._run(
             before.settings, f"re-run {knob.name} = {format_value(knob.name, before.settings[knob.name])}"
@@ -241,17 +268,18 @@ class CoordinateDescent:
 
         Back to back, both runs see the same load on the machine, so a drift in load between the
         trials that chose `best` cannot decide. The trial that chose it was one vote for it; if this
-        pair votes against, a second pair breaks the tie (best of three). The last pair's runs become
-        the reference for the next knob.
+        pair votes against, a second pair breaks the tie (best of three), or, without the budget for
+        it, the median of all steps run with either setting does. The last runs become the reference
+        for the next knob.
         """
         old = format_value(knob.name, before.settings[knob.name])
         new = format_value(knob.name, best.settings[knob.name])
         for pair in range(CONFIRM_PAIRS):
             if not self.budget.fits(2):
                 if pair == 0:
-                    self.unconfirmed.append(knob.name)  # the trial that chose it is all the evidence time allows
+                    self.notes.append(f"{knob.name} = {new} kept on one run: no budget left to confirm it")
                     return best
-                break  # one vote for, one against, and no time for the tie-break: go back
+                return self._pooled_decision(knob, before, best)
             again = self._run(best.settings, f"confirm {knob.name} = {new}")
             previous = self._run(before.settings, f"re-run {knob.name} = {old}")
             kept = self._ok(again) and (
@@ -265,3 +293,19 @@ class CoordinateDescent:
             self._report(again, f"not confirmed: back to {old}" if last else "not confirmed: once more")
             self._report(previous, "as fast")
         return Best(before.settings, previous.result.step_s if self._ok(previous) else before.step_s)
+
+    def _pooled_decision(self, knob: Knob, before: Best, best: Best) -> Best:
+        """Keep `best` if the median of all its steps beats the median of all of `before`'s."""
+        new_s, old_s = self._steps(best.settings), self._steps(before.settings)
+        kept = statistics.median(new_s) < statistics.median(old_s) * (1 - self.threshold)
+        value = best.settings[knob.name] if kept else before.settings[knob.name]
+        self.notes.append(
+            f"{knob.name} = {format_value(knob.name, value)} chosen on all its runs so far "
+            "(no budget left for a tie-breaking pair)"
+        )
+        return Best(best.settings, new_s) if kept else Best(before.settings, old_s)
+
+    def _steps(self, settings: Settings) -> list[float]:
+        return [
+            t for trial in self.trials if trial.settings == settings and self._ok(trial) for t in trial.result.step_s
+        ]

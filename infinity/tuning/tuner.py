@@ -135,8 +135,7 @@ class Tuner:
                 candidates,
                 on_trial=self._on_trial,
             ).run()
-        if search.unconfirmed:
-            notes.append(f"kept without a confirming run (no budget left): {', '.join(search.unconfirmed)}")
+        notes += search.notes
         if search.stopped_by_budget:
             notes.append("the budget ran out before every knob was searched: raise --budget-minutes to go on")
         return TuneOutcome(search, self.start, evidence, notes)
