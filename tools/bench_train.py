@@ -319,7 +319,7 @@ def main() -> None:
 
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_index in range(args.rounds):  # interleaved, so that drifting machine load hits every config alike
-        for name in names:
+        for name in names if round_index % 2 == 0 else names[::-1]:  # alternate order: no config always last
             print(f"== {name} (round {round_index + 1}/{args.rounds})", flush=True)
             rounds[name].append(run_config(name, args))
     results = {name: merge_rounds(records, args) for name, records in rounds.items()}
