@@ -42,7 +42,23 @@ from typing import Any
 
 import torch
 
-ALL_CONFIGS = ("plain", "infinity_none", "infinity_cpu", "deepspeed_cpu")
+ALL_CONFIGS = (
+    "plain",
+    "infinity_none",
+    "infinity_cpu",
+    "deepspeed_cpu",
+    "infinity_nvme",
+    "infinity_nvme_param",
+    "deepspeed_nvme",
+    "deepspeed_nvme_param",
+)
+# name suffix -> (offload_param.device, offload_optimizer.device)
+OFFLOADS = {
+    "none": ("none", "none"),
+    "cpu": ("cpu", "cpu"),
+    "nvme": ("nvme", "nvme"),
+    "nvme_param": ("nvme", "cpu"),
+}
 HYPER = {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 SEED = 1234
 
@@ -114,6 +130,7 @@ def make_plain(model: torch.nn.Module, args: argparse.Namespace, timer: Timer) -
 def make_infinity(model: torch.nn.Module, args: argparse.Namespace, timer: Timer, offload: str) -> StepFn:
     import infinity
 
+    param_dev, optim_dev = OFFLOADS[offload]
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -122,8 +139,8 @@ def make_infinity(model: torch.nn.Module, args: argparse.Namespace, timer: Timer
         "zero_optimization": {
             "stage": 3,
             "block_classes": ["Block"],
-            "offload_param": {"device": offload},
-            "offload_optimizer": {"device": offload},
+            "offload_param": {"device": param_dev, "nvme_path": args.nvme_path},
+            "offload_optimizer": {"device": optim_dev, "nvme_path": args.nvme_path},
         },
     }
     engine, _, _, _ = infinity.initialize(model=model, config=config)
@@ -144,9 +161,10 @@ def make_infinity(model: torch.nn.Module, args: argparse.Namespace, timer: Timer
     return run
 
 
-def make_deepspeed(model: torch.nn.Module, args: argparse.Namespace, timer: Timer) -> StepFn:
+def make_deepspeed(model: torch.nn.Module, args: argparse.Namespace, timer: Timer, offload: str) -> StepFn:
     import deepspeed
 
+    param_dev, optim_dev = OFFLOADS[offload]
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -155,9 +173,10 @@ def make_deepspeed(model: torch.nn.Module, args: argparse.Namespace, timer: Time
         "bf16": {"enabled": False},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "cpu"},
-            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": param_dev, "nvme_path": args.nvme_path},
+            "offload_optimizer": {"device": optim_dev, "nvme_path": args.nvme_path},
         },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1},
         "steps_per_print": 1_000_000,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -181,8 +200,8 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         run = make_plain(model, args, timer)
     elif name.startswith("infinity_"):
         run = make_infinity(model, args, timer, name.removeprefix("infinity_"))
-    elif name == "deepspeed_cpu":
-        run = make_deepspeed(model, args, timer)
+    elif name.startswith("deepspeed_"):
+        run = make_deepspeed(model, args, timer, name.removeprefix("deepspeed_"))
     else:
         raise ValueError(f"unknown configuration {name!r}; choose from {ALL_CONFIGS}")
     init_s = time.perf_counter() - start
@@ -239,13 +258,13 @@ def free_port() -> int:
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run `name` in a child process, relaying its lines; its record, or {"error": ...}."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if name == "deepspeed_cpu":
+    if name.startswith("deepspeed_"):
         port = str(free_port())
         env.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--model-size", args.model_size,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--threads", str(args.threads)]  # fmt: skip
+           "--seq", str(args.seq), "--threads", str(args.threads), "--nvme-path", args.nvme_path]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -299,6 +318,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every child")
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    parser.add_argument("--nvme-path", default=".bench-nvme", help="folder for the NVMe configurations' swap files")
     parser.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, interleaved")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     parser.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
@@ -313,9 +333,11 @@ def main() -> None:
     unknown = [n for n in names if n not in ALL_CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; choose from {','.join(ALL_CONFIGS)}")
-    if "deepspeed_cpu" in names and importlib.util.find_spec("deepspeed") is None:
-        print("deepspeed is not importable: skipping deepspeed_cpu")
-        names.remove("deepspeed_cpu")
+    if importlib.util.find_spec("deepspeed") is None:
+        for name in [n for n in names if n.startswith("deepspeed_")]:
+            print(f"deepspeed is not importable: skipping {name}")
+            names.remove(name)
+    os.makedirs(args.nvme_path, exist_ok=True)  # the NVMe configurations' swap files go here
 
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_index in range(args.rounds):  # interleaved, so that drifting machine load hits every config alike
