@@ -258,6 +258,22 @@ def test_the_noise_threshold_is_the_spread_of_a_median():
     assert noise_threshold([0.1, 5.0, 0.2, 9.0]) == 0.25  # a very noisy one: capped
 
 
+def test_swap_files_left_by_a_killed_trial_are_removed_but_not_a_live_runs(tmp_path):
+    import fcntl
+
+    from infinity.storage.nvme_file import MAGIC
+    from infinity.tuning.trial import remove_stale_swap_files
+
+    stale, live, foreign = (tmp_path / n for n in ("infinity-rank0.swap", "infinity-rank1.swap", "infinity-rank2.swap"))
+    stale.write_bytes(MAGIC + bytes(4088))
+    live.write_bytes(MAGIC + bytes(4088))
+    foreign.write_bytes(b"not a swap file")
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # as a running store holds its file
+        assert remove_stale_swap_files([str(tmp_path)]) == [str(stale)]
+    assert not stale.exists() and live.exists() and foreign.exists()
+
+
 # -- "auto" prefetch from a trace ----------------------------------------------------------------
 
 

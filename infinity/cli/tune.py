@@ -25,9 +25,14 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     from infinity.tuning.knobs import ORDER
 
     parser.add_argument("--config", required=True, help="the DeepSpeed-style JSON config to start from")
-    parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help="GPT preset to train")
     parser.add_argument(
-        "--budget-minutes", type=float, default=DEFAULT_BUDGET_MINUTES, help="stop starting trials after this long"
+        "--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help=f"GPT preset (default: {DEFAULT_MODEL})"
+    )
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=DEFAULT_BUDGET_MINUTES,
+        help=f"start no trial after this long (default: {DEFAULT_BUDGET_MINUTES:g})",
     )
     parser.add_argument(
         "--steps",

@@ -112,7 +112,8 @@ class TrialRunner:
             self._proc.stdin.flush()
             while True:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-                if line is None:
+                if line is None:  # the worker died (a crash, the OOM killer): it left its swap files
+                    remove_stale_swap_files(self.swap_dirs)
                     return TrialResult(error=f"the trial process exited: {self._last_log_line()}")
                 if line.startswith(_MARK):
                     return TrialResult(**json.loads(line[len(_MARK) :]))
