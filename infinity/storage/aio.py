@@ -90,7 +90,23 @@ class _NativeHandle:
             self._request.wait(-1.0)
 
 
-class DirectEngine:
+class _Engine:
+    """What both backends share: reads and writes are submissions; files are plain descriptors."""
+
+    def close_file(self, f: IoFile) -> None:
+        os.close(f.fd)
+
+    def read(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
+        return self._submit(False, f, buf, offset)
+
+    def write(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
+        return self._submit(True, f, buf, offset)
+
+    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
+        raise NotImplementedError
+
+
+class DirectEngine(_Engine):
     """The native engine over files opened with O_DIRECT (the page cache is bypassed)."""
 
     backend = "odirect"
@@ -110,15 +126,6 @@ class DirectEngine:
             return IoFile(path, os.open(path, flags, 0o600))
         except OSError as exc:
             raise _as_storage_error(exc) from None
-
-    def close_file(self, f: IoFile) -> None:
-        os.close(f.fd)
-
-    def read(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
-        return self._submit(False, f, buf, offset)
-
-    def write(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
-        return self._submit(True, f, buf, offset)
 
     def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
         nbytes = _check_buffer(buf)
@@ -144,7 +151,7 @@ class _FutureHandle:
         return self._future.done()
 
 
-class AiofilesEngine:
+class AiofilesEngine(_Engine):
     """Portable engine on aiofiles: an asyncio loop in a background thread, page-cached I/O.
 
     Serves where O_DIRECT is refused (ramfs, some FUSE or network filesystems, other OSes).
@@ -170,15 +177,6 @@ class AiofilesEngine:
             return IoFile(path, os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600))
         except OSError as exc:
             raise _as_storage_error(exc) from None
-
-    def close_file(self, f: IoFile) -> None:
-        os.close(f.fd)
-
-    def read(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
-        return self._submit(False, f, buf, offset)
-
-    def write(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
-        return self._submit(True, f, buf, offset)
 
     def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
         nbytes = _check_buffer(buf)
