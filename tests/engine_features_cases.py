@@ -501,7 +501,7 @@ def gathered_parameters_session(steps_before: int, steps_after: int) -> dict:
         with torch.no_grad():
             for p in params.values():
                 p.fill_(7.0)
-    out["blocks_gathered_after_read"] = [b.gathered for b in engine.blocks]
+    out["blocks_gathered_after_read"] = [b.gathered and not b.resident for b in engine.blocks]
     out["state_after_unmodified"] = engine.full_state_dict()
     with torch.no_grad():
         out["output_after_unmodified"] = engine(probe_input())[0].detach().clone()
@@ -577,12 +577,15 @@ def eval_session(kind: str, config: dict, steps_before: int, steps_after: int, m
     with torch.no_grad():
         logits, loss = engine(probe_x, probe_y)
     out["eval_logits"], out["eval_loss"] = logits.clone(), loss.item()
-    out["gathered_after_no_grad"] = [b.gathered for b in engine.blocks] + [engine.root.gathered]
+    # a resident block (one rank: its parameters are views of its shard) holds nothing beyond its shard
+    held = [b for b in (*engine.blocks, engine.root) if not b.resident]
+    out["resident_blocks"] = len(engine.blocks) + 1 - len(held)
+    out["gathered_after_no_grad"] = [b.gathered for b in held]
     out["in_flight_after_no_grad"] = [b.in_flight for b in engine.blocks]
     with torch.inference_mode():
         logits2, _ = engine(probe_x, probe_y)
     out["inference_mode_logits"] = logits2.clone()
-    out["gathered_after_inference_mode"] = [b.gathered for b in engine.blocks] + [engine.root.gathered]
+    out["gathered_after_inference_mode"] = [b.gathered for b in held]
     out["probe_rows"] = (probe_x, probe_y)
     engine.train()
     out["losses"] += train(steps_after)
@@ -597,16 +600,20 @@ def skip_on_steps_2_to_4(step: int) -> dict:
     return {"skip": 2 <= step <= 4}
 
 
-def control_flow_session(steps: int) -> dict:
+def control_flow_session(steps: int, nvme_path: str | None = None) -> dict:
     """Train SkippingMLP (layers[1] skipped on steps 2-4) and watch the scheduler.
 
     Before each block's forward pre-hook runs (a hook prepended ahead of the scheduler's), record whether
     the block is already gathered or being gathered: that is a prefetch. Also per step: the trace's
-    invalidation count and the recorded forward order after the step.
+    invalidation count and the recorded forward order after the step. With `nvme_path` the parameters
+    live on NVMe there (one rank keeps in-memory shards resident, so only then are its blocks gathered).
     """
     rank, world = rank_and_world()
     model = build("skipping")
-    engine, _, _, _ = infinity.initialize(model=model, config=feature_config())
+    config = feature_config()
+    if nvme_path is not None:
+        config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
+    engine, _, _, _ = infinity.initialize(model=model, config=config)
     seen: list[dict[int, bool]] = []
 
     def watcher(block):

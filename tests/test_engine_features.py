@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
+import shutil
+import tempfile
 
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import LR, WEIGHT_DECAY, ds_config, make_model, reference_run, train_infinity
+from engine_cases import LR, WEIGHT_DECAY, batches, ds_config, make_model, reference_run, train_infinity
 from engine_features_cases import (
     FROZEN,
     accumulation_session,
@@ -209,11 +211,45 @@ def test_eval_no_grad_outputs_equal_the_plain_model_with_the_same_weights(world)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_no_block_stays_gathered_after_inference(world):
-    for result in _eval_run(world):
-        assert not any(result["gathered_after_no_grad"]), result["gathered_after_no_grad"]
-        assert not any(result["in_flight_after_no_grad"])
-        assert not any(result["gathered_after_inference_mode"]), result["gathered_after_inference_mode"]
+def test_no_block_stays_gathered_after_inference(world, tmp_path):
+    runs = [_eval_run(world)]
+    if world == 1:  # offload none keeps one rank's blocks resident; parameters on NVMe are gathered and freed
+        cfg = ds_config(micro_bs=MICRO_BS, offload_param="nvme", nvme_path=str(tmp_path))
+        runs.append(tuple(run_distributed(eval_session, 1, "gpt", cfg, 2, 2, MICRO_BS)))
+    for results in runs:
+        for result in results:
+            assert not any(result["gathered_after_no_grad"]), result["gathered_after_no_grad"]
+            assert not any(result["in_flight_after_no_grad"])
+            assert not any(result["gathered_after_inference_mode"]), result["gathered_after_inference_mode"]
+    if world == 1:
+        in_memory, on_nvme = runs[0][0], runs[1][0]
+        assert in_memory["resident_blocks"] > 0 and in_memory["gathered_after_no_grad"] == []  # all resident
+        assert on_nvme["resident_blocks"] == 0 and len(on_nvme["gathered_after_no_grad"]) > 0
+    else:
+        assert [r["resident_blocks"] for r in runs[0]] == [0, 0]  # several ranks always gather
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_one_rank_keeps_in_memory_shards_resident(offload):
+    """One rank whose shards live in memory the compute addresses (the device, or on a CPU-only machine
+    the host): the parameters are views of the shards themselves, so nothing is gathered or copied and
+    the optimizer's new weights are what the next forward reads."""
+    cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, offload_optimizer=offload)
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    homes = {flat: engine.placement.home(flat) for flat in engine.flats}
+    for flat, home in homes.items():
+        assert flat.resident and flat.full.data_ptr() == home.data_ptr(), flat.name
+        for p in flat.params:
+            assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), flat.name
+    x, y = next(batches("gpt", MICRO_BS))
+    for _ in range(2):
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    assert engine.scheduler.stall_s == 0.0 and "host->device" not in engine.bytes_moved
+    for flat, state in engine.optimizer.shard_states.items():
+        assert state.step == 2 and torch.equal(flat.full, state.master), flat.name  # fp32: the master itself
+    assert all(f.full.data_ptr() == home.data_ptr() for f, home in homes.items())
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -647,7 +683,13 @@ CONTROL_STEPS = 7  # layers[1] runs on steps 0, 1, 5, 6 and is skipped on steps 
 
 @functools.cache
 def _control_run(world: int) -> tuple:
-    return tuple(run_distributed(control_flow_session, world, CONTROL_STEPS))
+    # one rank with in-memory shards gathers nothing (its blocks are resident): put them on NVMe instead
+    nvme_path = tempfile.mkdtemp(prefix="infinity-control-") if world == 1 else None
+    try:
+        return tuple(run_distributed(control_flow_session, world, CONTROL_STEPS, nvme_path))
+    finally:
+        if nvme_path is not None:
+            shutil.rmtree(nvme_path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("world", [1, 2])

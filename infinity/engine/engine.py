@@ -79,7 +79,6 @@ class InfinityEngine:
         self.compute_dtype = _DTYPES[cfg.compute_dtype_name]
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
-            return_freed_memory_to_os()  # block-sized buffers come and go: keep RSS near the live bytes
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
@@ -87,6 +86,11 @@ class InfinityEngine:
 
         param_tier = _TIERS[z.offload_param.device]
         optim_tier = _TIERS[z.offload_optimizer.device]
+        if self.device.type == "cpu" and "nvme" in (param_tier, optim_tier):
+            # Out of core, host memory is the constraint and block-sized buffers come and go: keep RSS
+            # near the live bytes. Elsewhere glibc's defaults are left alone (they reuse freed
+            # activations without page faults; fixing the threshold slowed an in-memory step by ~15%).
+            return_freed_memory_to_os()
         for buf_module in model.modules():
             for key, buf in buf_module._buffers.items():
                 if buf is not None:
@@ -178,14 +182,16 @@ class InfinityEngine:
         flat.install_views()  # from here on the parameters are views into the flat buffer
         start, end = flat.shard_range
         self.placement.put(flat, full32[start:end].to(self.compute_dtype))
+        home = self.placement.home(flat)
         if flat.requires_grad:
-            home = self.placement.home(flat)
             if home is not None and home.dtype == torch.float32 and home.device == self._optim_device:
                 master = home  # fp32 with weights and optimizer on one tier: one copy serves both
             else:
                 master = full32[start:end].to(self._optim_device, copy=True)
             self.optimizer.add_shard(flat, master, home)
-        if flat.persistent:
+        if not self.comm.distributed and home is not None and home.device == self.device:
+            flat.bind_resident(home)  # one rank, shard already where compute runs: nothing to gather
+        elif flat.persistent:
             with torch.no_grad():
                 flat.full.copy_(full32)
         else:
@@ -206,20 +212,23 @@ class InfinityEngine:
 
     def _reduce_block_grads(self, block: ShardedBlock) -> None:
         """Reduce-scatter the block's full gradients into this rank's shards and free them."""
+        final = self.is_gradient_accumulation_boundary()
         for flat in block.flats:
             if not flat.requires_grad:
                 continue
+            if not self.comm.distributed:  # the gradients are already this rank's shard
+                self.optimizer.accumulate_param_grads(flat, final)
+                flat.clear_grads()
+                continue
             full = flat.flat_grad()
             if full is None:
-                if not self.comm.distributed:
-                    continue
                 full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=self.device)
             shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device)
             start = time.perf_counter_ns()
             self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
             if self.prof is not None:
                 self.prof.collective("reduce-scatter", block.name, full.numel() * 4, start, time.perf_counter_ns())
-            self.optimizer.accumulate_grad(flat, shard, final=self.is_gradient_accumulation_boundary())
+            self.optimizer.accumulate_grad(flat, shard, final)
             flat.clear_grads()
 
     # -- the training API ----------------------------------------------------------------------

@@ -35,11 +35,14 @@ class GatheredParameters:
                 self.flats.append(flat)
         self.modifier_rank = modifier_rank
         self._was_gathered: list[bool] = []
+        self._saved: dict[FlatParam, torch.Tensor] = {}
 
     def __enter__(self) -> None:
         for flat in self.flats:
             engine = flat.params[0]._infinity_owner
             self._was_gathered.append(flat.gathered)
+            if flat.resident and self.modifier_rank is None:
+                self._saved[flat] = flat.full.clone()  # the weights are the shard itself: keep them to restore
             if not flat.gathered:
                 flat.gather_from(engine.placement.read(flat).to(engine.device))
 
@@ -56,7 +59,9 @@ class GatheredParameters:
                     values = engine.optimizer.read_state(flat)
                     values["master"] = new_shard.float().cpu()
                     engine.optimizer.load_state(flat, values)
-            elif was_gathered:  # changes without a modifier are discarded, also on always-gathered weights
+            elif flat in self._saved:  # changes without a modifier are discarded
+                flat.full.copy_(self._saved.pop(flat))
+            elif was_gathered:  # ... also on always-gathered weights
                 flat.gather_from(engine.placement.read(flat).to(engine.device))
             if not was_gathered:
                 flat.release()

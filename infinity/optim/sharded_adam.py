@@ -89,6 +89,14 @@ class ShardedAdam(torch.optim.Optimizer):
             state.grad.copy_(shard_grad, non_blocking=True)
             state.has_grad = True
 
+    def accumulate_param_grads(self, flat: FlatParam, final: bool = True) -> None:
+        """One rank, nothing to reduce: add the parameters' gradients straight into the accumulator."""
+        state = self.shard_states[flat]
+        if flat.grads_into(state.grad, accumulate=state.has_grad):
+            state.has_grad = True
+            if self.offloaded:
+                self.grad_bytes_to_host += state.grad.numel() * state.grad.element_size()
+
     def local_grad_norm_sq(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards (fp64 scalar on CPU); inf/nan if they overflowed.
 

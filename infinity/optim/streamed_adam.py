@@ -78,6 +78,11 @@ class StreamedAdam(ShardedAdam):
                 self._grad_writes.popleft()[0].wait()
             state.has_grad = True
 
+    def accumulate_param_grads(self, flat: FlatParam, final: bool = True) -> None:
+        full = flat.flat_grad()  # the accumulator is on NVMe: stage the gradients in one flat first
+        if full is not None:
+            self.accumulate_grad(flat, full, final)
+
     def _finish_grad_writes(self) -> None:
         while self._grad_writes:
             self._grad_writes.popleft()[0].wait()

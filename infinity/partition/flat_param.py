@@ -4,6 +4,10 @@ The full (gathered) buffer is allocated once and its storage is resized to zero 
 parameters are views into it while gathered and empty tensors otherwise. Tensors autograd saved
 during forward keep pointing at the same storage, so refilling it before backward makes them valid
 again (the technique FSDP1's flat parameter uses).
+
+With one rank the shard is the whole buffer: when it lives in memory the compute can address, the
+flat is made *resident* on it (`bind_resident`): the parameters are views of the shard itself and
+gathering or releasing moves nothing.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class FlatParam:
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self.gathered = True
+        self.resident = False
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -86,6 +91,16 @@ class FlatParam:
         for slot, p in zip(self.slots, self.params, strict=True):
             p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
+    def bind_resident(self, shard: torch.Tensor) -> None:
+        """World size 1: make `shard` (this rank's whole flat, in the compute dtype, on the compute device)
+        the parameters' permanent storage; from then on the flat is always gathered."""
+        if self.comm.distributed or shard.numel() != self.padded_numel or shard.dtype != self.full.dtype:
+            raise ValueError(f"{self.name}: only a whole, compute-dtype shard of a one-rank flat can be resident")
+        self.full = shard
+        self.install_views()
+        self.gathered = True
+        self.resident = True
+
     def alloc(self) -> None:
         if not self.gathered:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
@@ -100,7 +115,7 @@ class FlatParam:
 
     def release(self) -> None:
         """Free the full buffer's memory; parameters become empty tensors until the next gather."""
-        if not self.gathered:
+        if not self.gathered or self.resident:
             return
         for p in self.params:
             p.data = self._empty
@@ -109,17 +124,27 @@ class FlatParam:
 
     def flat_grad(self) -> torch.Tensor | None:
         """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none)."""
-        if not any(p.grad is not None for p in self.params):
-            return None
         flat = torch.empty(self.padded_numel, dtype=torch.float32, device=self.full.device)
+        return flat if self.grads_into(flat, accumulate=False) else None
+
+    @torch.no_grad()
+    def grads_into(self, out: torch.Tensor, accumulate: bool) -> bool:
+        """Write (or with `accumulate`, add) the parameters' gradients into the padded flat `out`, in one
+        pass; returns False, touching nothing, when no parameter has a gradient."""
+        if not any(p.grad is not None for p in self.params):
+            return False
         for slot, p in zip(self.slots, self.params, strict=True):
-            piece = flat[slot.offset : slot.offset + slot.numel]
+            piece = out[slot.offset : slot.offset + slot.numel]
             if p.grad is None:
-                piece.zero_()
+                if not accumulate:
+                    piece.zero_()
+            elif accumulate:
+                piece.add_(p.grad.reshape(-1))
             else:
                 piece.copy_(p.grad.reshape(-1))
-        flat[self.numel :].zero_()  # the padding
-        return flat
+        if not accumulate:
+            out[self.numel :].zero_()  # the padding
+        return True
 
     def clear_grads(self) -> None:
         for p in self.params:

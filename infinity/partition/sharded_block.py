@@ -46,6 +46,11 @@ class ShardedBlock:
         return all(f.gathered for f in self.flats) and self._pending is None
 
     @property
+    def resident(self) -> bool:
+        """Every flat is resident (world size 1): always gathered, at no cost."""
+        return all(f.resident for f in self.flats)
+
+    @property
     def in_flight(self) -> bool:
         return self._pending is not None
 

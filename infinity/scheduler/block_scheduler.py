@@ -78,7 +78,7 @@ class BlockScheduler:
     # -- helpers -------------------------------------------------------------------------------
 
     def _live_elems(self) -> int:
-        return sum(b.numel for b in self.blocks if b.gathered or b.in_flight)
+        return sum(b.numel for b in self.blocks if (b.gathered or b.in_flight) and not b.resident)
 
     def _ensure_gathered(self, block: ShardedBlock) -> None:
         prof = self.prof
