@@ -104,6 +104,7 @@ def train_infinity(kind: str, config: dict, steps: int, micro_bs: int, seed: int
             step_loss += loss.item() / engine.gradient_accumulation_steps
         losses.append(step_loss)
     result = {"losses": losses, "state": engine.full_state_dict(), "skipped": engine.skipped_steps}
+    result["stepped_in_backward"] = getattr(engine.optimizer, "stepped_in_backward", 0)
     engine.close()
     return result
 

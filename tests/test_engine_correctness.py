@@ -98,6 +98,28 @@ def test_gpt_with_nvme_matches_plain_pytorch(tmp_path, world, offload_param, off
     assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
 
 
+ARRIVAL_MATRIX = [*itertools.product([1, 2], ["nvme", "none"], ["fp32"], [1, 2]), (1, "nvme", "bf16", 1)]
+
+
+@pytest.mark.parametrize("world,offload_param,dtype,grad_accum", ARRIVAL_MATRIX)
+def test_nvme_optimizer_stepped_during_backward_matches_plain_pytorch(
+    tmp_path, world, offload_param, dtype, grad_accum
+):
+    """Without clipping or loss scaling the NVMe optimizer steps each shard as its gradient arrives."""
+    cfg = ds_config(
+        micro_bs=MICRO_BS,
+        grad_accum=grad_accum,
+        offload_param=offload_param,
+        offload_optimizer="nvme",
+        dtype=dtype,
+        clip=0.0,
+        nvme_path=str(tmp_path),
+    )
+    results = run_distributed(train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    _check("gpt", world, results, grad_accum, 0.0, dtype)
+    assert all(r["stepped_in_backward"] > 0 for r in results)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_mlp_matches_plain_pytorch(world, offload):

@@ -90,9 +90,14 @@ class ZeroConfig:
     ignore_unused_parameters: bool = option(True)
     comm_timeout_s: float = option(600.0, min_value=1.0, doc="a collective waiting longer aborts the run")
     host_budget_bytes: int | None = option(
-        None, min_value=0, doc="host memory for shards and staging; default: derived from the offload buffers"
+        None,
+        min_value=0,
+        doc="host memory for shards and staging (set: freed memory returns to the OS at once); "
+        "default: derived from the offload buffers",
     )
-    device_budget_bytes: int | None = option(None, min_value=0, doc="device memory for fetched shards; default: no cap")
+    device_budget_bytes: int | None = option(
+        None, min_value=0, doc="device memory for fetched shards (on a CPU-only machine: a pool apart); default: no cap"
+    )
 
 
 @dataclass(frozen=True)

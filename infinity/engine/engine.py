@@ -14,7 +14,7 @@ from torch import nn
 from infinity.comm import CommGroup, init_distributed
 from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
 from infinity.engine.budgets import plan_budgets
-from infinity.engine.host_memory import return_freed_memory_to_os
+from infinity.engine.host_memory import limit_freed_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.placement import ShardPlacement
 from infinity.optim.loss_scaler import LossScaler
@@ -87,10 +87,7 @@ class InfinityEngine:
         param_tier = _TIERS[z.offload_param.device]
         optim_tier = _TIERS[z.offload_optimizer.device]
         if self.device.type == "cpu" and "nvme" in (param_tier, optim_tier):
-            # Out of core, host memory is the constraint and block-sized buffers come and go: keep RSS
-            # near the live bytes. Elsewhere glibc's defaults are left alone (they reuse freed
-            # activations without page faults; fixing the threshold slowed an in-memory step by ~15%).
-            return_freed_memory_to_os()
+            limit_freed_memory(return_to_os=z.host_budget_bytes is not None)  # see host_memory
         for buf_module in model.modules():
             for key, buf in buf_module._buffers.items():
                 if buf is not None:
@@ -109,10 +106,19 @@ class InfinityEngine:
             device=self.device,
             recorder=self.prof,
         )
-        self.placement = ShardPlacement(self.store, param_tier)
+        # A CPU-only machine computes from host memory; given its own `device_budget_bytes`, the device
+        # tier stands apart from the host (as on a GPU) and gathers copy shards into it.
+        self.placement = ShardPlacement(
+            self.store, param_tier, compute_reads_host=self.device.type == "cpu" and z.device_budget_bytes is None
+        )
         if optim_tier == "nvme":
             self.optimizer: ShardedAdam = StreamedAdam(
                 groups.groups, groups.adamw_mode, self.placement, self.store, optimizer_window
+            )
+            # Nothing global to wait for (a clipping norm, an fp16 overflow check, a client optimizer's
+            # hyper-parameters set at step time): step each shard while backward goes on.
+            self.optimizer.step_as_grads_arrive = (
+                cfg.gradient_clipping <= 0 and not self.loss_scaler.enabled and optimizer is None
             )
         else:
             self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, optim_tier != "device", self.placement)

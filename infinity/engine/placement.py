@@ -2,9 +2,10 @@
 
 `ShardPlacement` is the engine's single point of contact with the storage layer for parameter
 shards: each shard is a key in the `TierStore` whose home tier comes from `offload_param.device`
-(none -> device, cpu -> host, nvme -> nvme). A gather fetches the shard to the device and releases
-it after the all-gather; the copies above the home are evicted then, so nothing stale survives an
-optimizer step and device memory holds only the blocks in use or prefetched.
+(none -> device, cpu -> host, nvme -> nvme). A gather fetches the shard to the device (on a CPU-only
+machine, to host memory: the compute's own) and releases it after the all-gather; the copies above
+the home are evicted then, so nothing stale survives an optimizer step and device memory holds only
+the blocks in use or prefetched.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from infinity.partition.flat_param import FlatParam
-from infinity.storage import MoveHandle, TierStore
+from infinity.storage import FetchHandle, MoveHandle, TierStore
 
 
 def param_key(flat: FlatParam) -> tuple[str, str]:
@@ -24,9 +25,12 @@ def param_key(flat: FlatParam) -> tuple[str, str]:
 class ShardPlacement:
     """Keeps every FlatParam's shard on its home tier; `acquire` returns it on the compute device."""
 
-    def __init__(self, store: TierStore, home_tier: str) -> None:
+    def __init__(self, store: TierStore, home_tier: str, compute_reads_host: bool = False) -> None:
         self.store = store
         self.home_tier = home_tier
+        # Where a gather reads the shard from. The device, unless the compute runs on the CPU: then host
+        # memory is the compute's own and a further "device" copy would only cost a memcpy.
+        self.fetch_tier = "host" if compute_reads_host and home_tier != "device" else "device"
         self._home: dict[FlatParam, torch.Tensor] = {}
         self.bytes_moved: dict[str, int] = {}  # "from->to" tier pair -> bytes
 
@@ -75,17 +79,21 @@ class ShardPlacement:
         finally:
             self.store.release(key, "host")
 
+    def fetch(self, flat: FlatParam) -> FetchHandle:
+        """Start bringing the shard where the compute reads it; `release(flat)` once it is gathered."""
+        handle = self.store.fetch(param_key(flat), self.fetch_tier)
+        if self.home_tier != self.fetch_tier:
+            pair = f"{self.home_tier}->{self.fetch_tier}"
+            nbytes = flat.shard_numel * flat.full.element_size()
+            self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + nbytes
+        return handle
+
     def acquire(self, flat: FlatParam) -> torch.Tensor:
-        key = param_key(flat)
-        shard = self.store.fetch(key, "device").wait()
-        if self.home_tier != "device":
-            pair = "host->device" if self.home_tier == "host" else "nvme->device"
-            self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + shard.numel() * shard.element_size()
-        return shard
+        return self.fetch(flat).wait()
 
     def release(self, flat: FlatParam) -> None:
         key = param_key(flat)
-        self.store.release(key, "device")
+        self.store.release(key, self.fetch_tier)
         if self.home_tier != "device":
             self.store.evict(key)
 

@@ -42,6 +42,7 @@ class ShardState:
     param_shard: torch.Tensor | None  # compute-dtype shard where the parameters live; None if not in memory
     step: int = 0
     has_grad: bool = False
+    stepped: bool = False  # already stepped this step, as its gradient arrived (StreamedAdam)
 
 
 class ShardedAdam(torch.optim.Optimizer):

@@ -5,6 +5,12 @@ while the current one is stepped by the native Adam (read ahead), and its new st
 back without waiting (write behind). At most `window` shards' state is held at a time, and the
 store's host budget bounds what read-ahead adds, however large the model. Gradients are
 accumulated into each shard's own gradient slot on NVMe, so they are never all in memory at once.
+
+With `step_as_grads_arrive` (set by the engine when no global quantity — a clipping norm, an
+overflow check — must be known first), a shard's final gradient is not written to NVMe at all: its
+state is read ahead at once and the shard is stepped a few blocks later, while backward computes the
+blocks before it, so the optimizer's I/O hides behind backward and the gradient round trip vanishes.
+The step then only finishes the last few shards.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ class StreamedAdam(ShardedAdam):
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
         self._norm_sq: dict[FlatParam, float] = {}
         self.nvme_bytes = {"nvme->host": 0, "host->nvme": 0}  # optimizer state and gradients streamed
+        self.step_as_grads_arrive = False
+        self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
+        self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
+        self._stepping: deque[tuple[FlatParam, list[MoveHandle], int]] = deque()  # state writes in flight
 
     def add_shard(self, flat: FlatParam, master: torch.Tensor, param_shard: torch.Tensor | None) -> None:
         """Write the master shard, zero moments and a gradient slot to NVMe; nothing stays in memory."""
@@ -58,6 +68,18 @@ class StreamedAdam(ShardedAdam):
         grad = shard_grad.to("cpu", dtype=torch.float32)
         self.grad_bytes_to_host += grad.numel() * grad.element_size()
         nbytes = grad.numel() * 4
+        if final and self.step_as_grads_arrive:
+            if state.has_grad:  # the earlier micro-batches' sum, from its NVMe slot
+                self._finish_grad_writes()
+                self.nvme_bytes["nvme->host"] += nbytes
+                try:
+                    grad = self.store.fetch(key, "host").wait().add(grad)
+                finally:
+                    self.store.release(key, "host")
+                    self.store.evict(key)
+            state.has_grad = True
+            self._arrive(flat, grad)
+            return
         self.nvme_bytes["host->nvme"] += nbytes
         if state.has_grad:
             self.nvme_bytes["nvme->host"] += nbytes
@@ -83,6 +105,38 @@ class StreamedAdam(ShardedAdam):
         if full is not None:
             self.accumulate_grad(flat, full, final)
 
+    def _arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """A final gradient: read the shard's state ahead now; step the shards that arrived a few blocks ago."""
+        self.store.prefetch([state_key(n, flat) for n in STATE_NAMES], "host")
+        self._arrived.append((flat, grad))
+        while len(self._arrived) > max(1, self.window // 2):
+            self._step_arrived(*self._arrived.popleft(), grad_scale=1.0)
+            self.stepped_in_backward += 1
+
+    def _step_arrived(self, flat: FlatParam, grad: torch.Tensor, grad_scale: float) -> None:
+        s = self.shard_states[flat]
+        master, exp_avg, exp_avg_sq = self._fetch_state(flat, with_grad=False)
+        s.step += 1
+        s.stepped = True
+        self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
+        self._write_state(flat, master, exp_avg, exp_avg_sq, with_grad=False)
+
+    def _fetch_state(self, flat: FlatParam, with_grad: bool) -> list[torch.Tensor]:
+        names = (*STATE_NAMES, "grad") if with_grad else STATE_NAMES
+        return [self.store.fetch(state_key(n, flat), "host").wait() for n in names]
+
+    def _write_state(self, flat: FlatParam, master, exp_avg, exp_avg_sq, with_grad: bool) -> None:
+        """Write the new state behind (waited for only when `window` shards are in flight)."""
+        self.nvme_bytes["nvme->host"] += (3 + with_grad) * master.numel() * 4
+        self.nvme_bytes["host->nvme"] += 3 * master.numel() * 4
+        writes = [
+            self.store.write(state_key(n, flat), t)
+            for n, t in zip(STATE_NAMES, (master, exp_avg, exp_avg_sq), strict=True)
+        ]
+        self._stepping.append((flat, writes, with_grad))
+        while len(self._stepping) >= self.window:
+            self._retire(*self._stepping.popleft())
+
     def _finish_grad_writes(self) -> None:
         while self._grad_writes:
             self._grad_writes.popleft()[0].wait()
@@ -104,31 +158,28 @@ class StreamedAdam(ShardedAdam):
 
     def _step_native(self, grad_scale: float) -> None:
         self._finish_grad_writes()
-        todo = [(f, s) for f, s in self.shard_states.items() if s.has_grad]
-        in_flight: deque[tuple[FlatParam, list]] = deque()
-        for i, (flat, s) in enumerate(todo):
+        while self._arrived:  # stepped as their gradients arrived, but for the last few
+            self._step_arrived(*self._arrived.popleft(), grad_scale=grad_scale)
+        todo = [f for f, s in self.shard_states.items() if s.has_grad and not s.stepped]
+        for i, flat in enumerate(todo):
             # read ahead: the next shards' state comes in while this one is stepped
-            self.store.prefetch([k for f, _ in todo[i : i + self.window] for k in self._keys(f)], "host")
-            master, exp_avg, exp_avg_sq, grad = (self.store.fetch(k, "host").wait() for k in self._keys(flat))
+            self.store.prefetch([k for f in todo[i : i + self.window] for k in self._keys(f)], "host")
+            master, exp_avg, exp_avg_sq, grad = self._fetch_state(flat, with_grad=True)
+            s = self.shard_states[flat]
             s.step += 1
             self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
-            self.nvme_bytes["nvme->host"] += 4 * master.numel() * 4
-            self.nvme_bytes["host->nvme"] += 3 * master.numel() * 4
-            writes = [
-                self.store.write(state_key(n, flat), t)
-                for n, t in zip(STATE_NAMES, (master, exp_avg, exp_avg_sq), strict=True)
-            ]
-            in_flight.append((flat, writes))  # write behind: waited for only when the window is full
-            while len(in_flight) >= self.window:
-                self._retire(*in_flight.popleft())
-        while in_flight:
-            self._retire(*in_flight.popleft())
+            self._write_state(flat, master, exp_avg, exp_avg_sq, with_grad=True)
+        while self._stepping:
+            self._retire(*self._stepping.popleft())
+        for s in self.shard_states.values():
+            s.stepped = False
         self.finish_param_writes()
 
-    def _retire(self, flat: FlatParam, writes: list[MoveHandle]) -> None:
+    def _retire(self, flat: FlatParam, writes: list[MoveHandle], with_grad: bool) -> None:
         for handle in writes:
             handle.wait()
-        for key in self._keys(flat):
+        for name in (*STATE_NAMES, "grad") if with_grad else STATE_NAMES:
+            key = state_key(name, flat)
             self.store.release(key, "host")
             self.store.evict(key)
 

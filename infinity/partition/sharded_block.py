@@ -15,9 +15,18 @@ from torch import nn
 from infinity.partition.flat_param import FlatParam
 
 
+class ShardFetch(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+
 class ShardSource(Protocol):
+    def fetch(self, flat: FlatParam) -> ShardFetch:
+        """Start bringing this rank's compute-dtype shard of `flat` where the compute can read it."""
+
     def acquire(self, flat: FlatParam) -> torch.Tensor:
-        """This rank's compute-dtype shard of `flat`, on the compute device."""
+        """This rank's compute-dtype shard of `flat`, where the compute can read it (`fetch(flat).wait()`)."""
 
     def release(self, flat: FlatParam) -> None:
         """The shard returned by `acquire` is no longer needed on the device."""
@@ -55,20 +64,29 @@ class ShardedBlock:
         return self._pending is not None
 
     def ready(self) -> bool:
-        """Gathered, or every all-gather of a prefetch has completed."""
+        """Gathered, or every all-gather (one rank: every shard fetch) of a prefetch has completed."""
         if self._pending is None:
             return self.gathered
-        return all(work is None or work.is_completed() for _, work in self._pending)
+        return all(work is None or _done(work) for _, work in self._pending)
 
     def start_gather(self, source: ShardSource) -> None:
-        """Issue the all-gathers without waiting (a prefetch)."""
+        """Issue the all-gathers without waiting (a prefetch).
+
+        With several ranks the shard must be in place before its all-gather is issued, and all-gathers
+        are issued here, in the same order on every rank. One rank has no collective: its shards are
+        fetched without waiting, and the "gather" (a copy into the full buffer) happens in `wait_gather`.
+        """
         if self._pending is not None or all(f.gathered for f in self.flats):
             return
         self.issued_ns = time.perf_counter_ns()
         works = []
         for flat in self.flats:
-            if not flat.gathered:
+            if flat.gathered:
+                continue
+            if flat.comm.distributed:
                 works.append((flat, flat.gather_from(source.acquire(flat), async_op=True)))
+            else:
+                works.append((flat, source.fetch(flat)))
         self._pending = works
 
     def wait_gather(self, source: ShardSource) -> None:
@@ -76,11 +94,19 @@ class ShardedBlock:
         if self._pending is None:
             self.start_gather(source)
         for flat, work in self._pending or ():
-            if work is not None:
-                work.wait()
+            if flat.comm.distributed:
+                if work is not None:
+                    work.wait()
+            else:
+                flat.gather_from(work.wait())
             source.release(flat)
         self._pending = None
 
     def release(self) -> None:
         for flat in self.flats:
             flat.release()
+
+
+def _done(work) -> bool:
+    """A collective's work handle or a shard fetch: has it completed?"""
+    return work.is_completed() if hasattr(work, "is_completed") else work.done()
