@@ -35,7 +35,7 @@ block-sized buffers in its heap and the RSS grows); `--malloc default` measures 
 Python's cyclic GC runs): gc.collect() every S seconds from a side thread, its cost reported.
 
     python tools/bench_scale.py --params 3e9 --host-budget-gib 8 [--nvme-path DIR] [--steps N]
-                                [--seq 16] [--batch 1] [--bf16] [--gc-interval-s 0.5] [--json]
+                                [--seq 16] [--batch 1] [--bf16] [--clip 0] [--gc-interval-s 0.5] [--json]
 
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient_clipping; with it the optimizer waits for the global norm and streams after backward "
+        "instead of stepping each block as its gradient arrives",
+    )
     parser.add_argument("--bf16", action="store_true", help="bf16 compute and parameter shards (fp32 by default)")
     parser.add_argument("--aio", default="{}", help="aio section as JSON, e.g. '{\"queue_depth\": 32}'")
     parser.add_argument("--zero", default="{}", help="extra zero_optimization keys as JSON")
@@ -305,7 +312,7 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "aio": json.loads(args.aio),

@@ -12,10 +12,13 @@ then `--steps` timed steps, in its own subprocess, so that its peak RSS (VmHWM) 
 Per configuration: median step time, tokens/s, peak RSS, step time relative to plain, the median
 forward / backward / optimizer-step split, and the losses (to check every configuration trains alike).
 Infinity configurations also report, per timed step, the bytes moved between tiers from the engine's
-counters (`engine.bytes_moved`: "host->device" parameter shards gathered from their host home,
-"device->host" gradient shards handed to the offloaded optimizer), the compute's stall time
-(`engine.stall_s`), and `engine_s`: time inside gathers, shard fetches, releases, gradient reductions
-and the Adam step, measured by wrapping the engine's objects from outside.
+counters (`engine.bytes_moved`: "nvme->host" parameter shards read for gathers and optimizer state
+streamed, "host->nvme" state written back, "device->host" gradient shards handed to the offloaded
+optimizer), the compute's stall time (`engine.stall_s`), and `engine_s`: time inside gathers, shard
+fetches, releases, gradient reductions (with an NVMe optimizer, the shards stepped as their gradients
+arrive) and the Adam step, measured by wrapping the engine's objects from outside. With one rank and
+shards in memory (none, cpu) the parameters are views of the shards and nothing moves but gradients;
+on a CPU-only machine the compute reads host memory, so no "->device" bytes appear.
 Compare configurations within one run only: this machine's memory bandwidth drifts over time.
 
     python tools/bench_train.py [--model-size 110m] [--steps 4] [--warmup 2] [--batch 4] [--seq 256]

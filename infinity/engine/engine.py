@@ -95,25 +95,28 @@ class InfinityEngine:
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
 
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-        budgets, optimizer_window = plan_budgets(z, plan, world, self.compute_dtype.itemsize, param_tier, optim_tier)
+        # A CPU-only machine computes from host memory; given its own `device_budget_bytes`, the device
+        # tier stands apart from the host (as on a GPU) and gathers copy shards into it.
+        compute_reads_host = self.device.type == "cpu" and z.device_budget_bytes is None
+        budget_plan = plan_budgets(
+            z, plan, world, self.compute_dtype.itemsize, param_tier, optim_tier, compute_reads_host
+        )
         self.prof = open_trace_writer(cfg, rank, world)  # None unless the config's profiler is enabled
         self.store = TierStore.from_config(
             z.offload_param,
             z.offload_optimizer,
             cfg.aio,
-            budgets,
+            budget_plan.budgets,
             rank=rank,
             device=self.device,
             recorder=self.prof,
         )
-        # A CPU-only machine computes from host memory; given its own `device_budget_bytes`, the device
-        # tier stands apart from the host (as on a GPU) and gathers copy shards into it.
         self.placement = ShardPlacement(
-            self.store, param_tier, compute_reads_host=self.device.type == "cpu" and z.device_budget_bytes is None
+            self.store, param_tier, compute_reads_host, read_ahead_bytes=budget_plan.param_read_ahead_bytes
         )
         if optim_tier == "nvme":
             self.optimizer: ShardedAdam = StreamedAdam(
-                groups.groups, groups.adamw_mode, self.placement, self.store, optimizer_window
+                groups.groups, groups.adamw_mode, self.placement, self.store, budget_plan.optimizer_window
             )
             # Nothing global to wait for (a clipping norm, an fp16 overflow check, a client optimizer's
             # hyper-parameters set at step time): step each shard while backward goes on.

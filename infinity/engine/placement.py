@@ -25,9 +25,12 @@ def param_key(flat: FlatParam) -> tuple[str, str]:
 class ShardPlacement:
     """Keeps every FlatParam's shard on its home tier; `acquire` returns it on the compute device."""
 
-    def __init__(self, store: TierStore, home_tier: str, compute_reads_host: bool = False) -> None:
+    def __init__(
+        self, store: TierStore, home_tier: str, compute_reads_host: bool = False, read_ahead_bytes: int | None = None
+    ) -> None:
         self.store = store
         self.home_tier = home_tier
+        self.read_ahead_bytes = read_ahead_bytes  # NVMe shards read ahead into host memory at most; None: no cap
         # Where a gather reads the shard from. The device, unless the compute runs on the CPU: then host
         # memory is the compute's own and a further "device" copy would only cost a memcpy.
         self.fetch_tier = "host" if compute_reads_host and home_tier != "device" else "device"
@@ -98,6 +101,14 @@ class ShardPlacement:
             self.store.evict(key)
 
     def prefetch_to_host(self, flats: Iterable[FlatParam]) -> None:
-        """Start reading NVMe-resident shards into host memory, in order, as far as the host budget allows."""
-        if self.home_tier == "nvme":
-            self.store.prefetch([param_key(f) for f in flats], "host")
+        """Start reading NVMe-resident shards into host memory, in order, as far as the read-ahead cap
+        and the host budget allow."""
+        if self.home_tier != "nvme":
+            return
+        keys, total = [], 0
+        for flat in flats:
+            total += flat.shard_numel * flat.full.element_size()
+            if self.read_ahead_bytes is not None and total > self.read_ahead_bytes:
+                break
+            keys.append(param_key(flat))
+        self.store.prefetch(keys, "host")

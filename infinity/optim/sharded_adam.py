@@ -136,8 +136,13 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._adam_native(flat, s.step, s.master, s.grad, s.exp_avg, s.exp_avg_sq, s.param_shard, grad_scale)
         self.finish_param_writes()
 
-    def _adam_native(self, flat, step, master, grad, exp_avg, exp_avg_sq, param_shard, grad_scale: float) -> None:
-        """One native Adam pass over a shard, then its new compute-dtype weights to where they live."""
+    # Whether a master handed to `_adam_native` stays untouched until the returned write is done (then
+    # an fp32 parameter shard is written from it directly instead of from a copy).
+    _masters_outlive_writes = False
+
+    def _adam_native(self, flat, step, master, grad, exp_avg, exp_avg_sq, param_shard, grad_scale: float):
+        """One native Adam pass over a shard, then its new compute-dtype weights to where they live;
+        returns the write of those weights when they go to NVMe (else None)."""
         from infinity.optim.cpu_adam import adam_step_flat
 
         group = self._group_of(flat)
@@ -162,20 +167,25 @@ class ShardedAdam(torch.optim.Optimizer):
             out_copy=fused_target if fused else None,
             grad_scale=grad_scale,
         )
-        self._publish_params(flat, master, param_shard, staging, fused)
+        return self._publish_params(flat, master, param_shard, staging, fused)
 
-    def _publish_params(self, flat, master, param_shard, staging, fused: bool) -> None:
+    def _publish_params(self, flat, master, param_shard, staging, fused: bool):
         if param_shard is not None:
             if not fused and param_shard.data_ptr() != master.data_ptr():
                 param_shard.copy_(master, non_blocking=True)
             self.param_sink.updated_in_place(flat)
-            return
-        source = staging if staging is not None else master.clone()
-        if not fused and staging is not None:
-            staging.copy_(master)
-        self._param_writes.append((self.param_sink.write(flat, source), source))
+            return None
+        if staging is not None:
+            source = staging
+            if not fused:
+                staging.copy_(master)
+        else:
+            source = master if self._masters_outlive_writes else master.clone()
+        handle = self.param_sink.write(flat, source)
+        self._param_writes.append((handle, source))
         while len(self._param_writes) > MAX_PARAM_WRITES_IN_FLIGHT:
             self._param_writes.popleft()[0].wait()
+        return handle
 
     def finish_param_writes(self) -> None:
         """Wait for the parameter shards still being written to NVMe."""

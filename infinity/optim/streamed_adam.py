@@ -34,6 +34,8 @@ def state_key(name: str, flat: FlatParam) -> tuple[str, str]:
 class StreamedAdam(ShardedAdam):
     """ShardedAdam over NVMe-resident state; `ShardState` tensors are placeholders (empty)."""
 
+    _masters_outlive_writes = True  # a master's host copy is released only once its shard's writes are done
+
     def __init__(
         self,
         groups: list[dict[str, Any]],
@@ -51,7 +53,7 @@ class StreamedAdam(ShardedAdam):
         self.step_as_grads_arrive = False
         self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
         self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
-        self._stepping: deque[tuple[FlatParam, list[MoveHandle], int]] = deque()  # state writes in flight
+        self._stepping: deque[tuple[FlatParam, list[MoveHandle], bool]] = deque()  # state writes in flight
 
     def add_shard(self, flat: FlatParam, master: torch.Tensor, param_shard: torch.Tensor | None) -> None:
         """Write the master shard, zero moments and a gradient slot to NVMe; nothing stays in memory."""
@@ -109,6 +111,8 @@ class StreamedAdam(ShardedAdam):
         """A final gradient: read the shard's state ahead now; step the shards that arrived a few blocks ago."""
         self.store.prefetch([state_key(n, flat) for n in STATE_NAMES], "host")
         self._arrived.append((flat, grad))
+        # Half the window waits for its reads (they had a block of backward to arrive); the other half
+        # of the window's host memory holds the stepped shards whose writes are still in flight.
         while len(self._arrived) > max(1, self.window // 2):
             self._step_arrived(*self._arrived.popleft(), grad_scale=1.0)
             self.stepped_in_backward += 1
@@ -118,21 +122,24 @@ class StreamedAdam(ShardedAdam):
         master, exp_avg, exp_avg_sq = self._fetch_state(flat, with_grad=False)
         s.step += 1
         s.stepped = True
-        self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
-        self._write_state(flat, master, exp_avg, exp_avg_sq, with_grad=False)
+        param_write = self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
+        self._write_state(flat, master, exp_avg, exp_avg_sq, param_write, with_grad=False)
 
     def _fetch_state(self, flat: FlatParam, with_grad: bool) -> list[torch.Tensor]:
         names = (*STATE_NAMES, "grad") if with_grad else STATE_NAMES
         return [self.store.fetch(state_key(n, flat), "host").wait() for n in names]
 
-    def _write_state(self, flat: FlatParam, master, exp_avg, exp_avg_sq, with_grad: bool) -> None:
-        """Write the new state behind (waited for only when `window` shards are in flight)."""
+    def _write_state(self, flat: FlatParam, master, exp_avg, exp_avg_sq, param_write, with_grad: bool) -> None:
+        """Write the new state behind (waited for only when `window` shards are in flight); the shard's
+        parameter write (`param_write`, may be None) may read `master` and is waited for with them."""
         self.nvme_bytes["nvme->host"] += (3 + with_grad) * master.numel() * 4
         self.nvme_bytes["host->nvme"] += 3 * master.numel() * 4
         writes = [
             self.store.write(state_key(n, flat), t)
             for n, t in zip(STATE_NAMES, (master, exp_avg, exp_avg_sq), strict=True)
         ]
+        if param_write is not None:
+            writes.append(param_write)
         self._stepping.append((flat, writes, with_grad))
         while len(self._stepping) >= self.window:
             self._retire(*self._stepping.popleft())
@@ -167,8 +174,8 @@ class StreamedAdam(ShardedAdam):
             master, exp_avg, exp_avg_sq, grad = self._fetch_state(flat, with_grad=True)
             s = self.shard_states[flat]
             s.step += 1
-            self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
-            self._write_state(flat, master, exp_avg, exp_avg_sq, with_grad=True)
+            param_write = self._adam_native(flat, s.step, master, grad, exp_avg, exp_avg_sq, s.param_shard, grad_scale)
+            self._write_state(flat, master, exp_avg, exp_avg_sq, param_write, with_grad=True)
         while self._stepping:
             self._retire(*self._stepping.popleft())
         for s in self.shard_states.values():
