@@ -141,7 +141,8 @@ class StreamedAdam(ShardedAdam):
         if param_write is not None:
             writes.append(param_write)
         self._stepping.append((flat, writes, with_grad))
-        while len(self._stepping) >= self.window:
+        # the shards read ahead on arrival share the window's host memory with those being written
+        while len(self._stepping) >= max(1, self.window - len(self._arrived)):
             self._retire(*self._stepping.popleft())
 
     def _finish_grad_writes(self) -> None:
