@@ -374,9 +374,10 @@ def main() -> None:
         "torch": torch.__version__,
         "load_average": os.getloadavg(),  # other processes on the machine skew every figure
     }
-    ours, theirs = results.get("infinity_cpu", {}), results.get("deepspeed_cpu", {})
-    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
-        summary["infinity_cpu_speedup_vs_deepspeed"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    for offload in ("cpu", "nvme", "nvme_param"):  # tokens/s against DeepSpeed with the same offload
+        ours, theirs = results.get(f"infinity_{offload}", {}), results.get(f"deepspeed_{offload}", {})
+        if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+            summary[f"infinity_{offload}_speedup_vs_deepspeed"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
     print(json.dumps(summary))
 
 
