@@ -234,6 +234,8 @@ def test_one_rank_keeps_in_memory_shards_resident(offload):
     """One rank whose shards live in memory the compute addresses (the device, or on a CPU-only machine
     the host): the parameters are views of the shards themselves, so nothing is gathered or copied and
     the optimizer's new weights are what the next forward reads."""
+    if offload == "cpu" and torch.cuda.is_available():
+        pytest.skip("with a GPU the host is not the compute's memory: shards on the host are gathered")
     cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, offload_optimizer=offload)
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     homes = {flat: engine.placement.home(flat) for flat in engine.flats}
@@ -311,6 +313,44 @@ def test_gathered_parameters_with_modifier_rank_writes_its_values_to_every_rank(
                 assert torch.equal(value, result["state_before"][name]), name
         # The next forward uses the new values: outputs as the plain model holding the same weights.
         torch.testing.assert_close(result["output_after_modified"], ref["output_modified"], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_gathered_parameters_cut_short_by_an_error_keeps_the_weights(tmp_path, offload):
+    """An exception inside the block discards the edits, also with modifier_rank and resident weights."""
+    cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, nvme_path=str(tmp_path))
+    model = make_model("gpt")
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    before = engine.full_state_dict()
+    with pytest.raises(ValueError, match="user code failed"):
+        with infinity.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(3.0)
+            raise ValueError("user code failed")
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    engine.close()
+
+
+def test_nvme_optimizer_mid_step_refuses_state_access_until_step(tmp_path):
+    """Stepping shards as gradients arrive leaves the optimizer mid-step between backward and step():
+    reading or writing its state (a checkpoint) or zero_grad then says to call step() first."""
+    cfg = ds_config(micro_bs=MICRO_BS, offload_optimizer="nvme", clip=0.0, nvme_path=str(tmp_path))
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    x, y = next(batches("gpt", MICRO_BS))
+    _, loss = engine(x, y)
+    engine.backward(loss)
+    assert engine.optimizer.step_in_progress
+    with pytest.raises(RuntimeError, match=r"save_checkpoint between backward and step.*call engine.step\(\) first"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was written
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\) first"):
+        engine.optimizer.zero_grad()
+    engine.step()
+    assert not engine.optimizer.step_in_progress
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
 
 
 @pytest.mark.parametrize("world", [1, 2])

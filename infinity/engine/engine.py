@@ -365,6 +365,8 @@ class InfinityEngine:
         """Write a sharded checkpoint (every rank calls this); returns its folder."""
         from infinity.engine.checkpoint import save_checkpoint
 
+        self.optimizer.refuse_mid_step("save_checkpoint")
+
         return str(save_checkpoint(self, save_dir, tag, client_state or {}, save_latest))
 
     def load_checkpoint(
@@ -377,6 +379,8 @@ class InfinityEngine:
     ) -> tuple[str, dict]:
         """Restore a checkpoint written by `save_checkpoint`; returns (its folder, the client state)."""
         from infinity.engine.checkpoint import load_checkpoint
+
+        self.optimizer.refuse_mid_step("load_checkpoint")
 
         folder, client_state = load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
@@ -392,6 +396,8 @@ class InfinityEngine:
     def load_full_state(self, source, strict: bool = True) -> list[str]:
         """Load pretrained weights (a state dict, a torch file or a folder of safetensors), block by block."""
         from infinity.engine.state_io import load_full_state
+
+        self.optimizer.refuse_mid_step("load_full_state")
 
         return load_full_state(self, source, strict)
 

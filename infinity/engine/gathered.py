@@ -41,8 +41,8 @@ class GatheredParameters:
         for flat in self.flats:
             engine = flat.params[0]._infinity_owner
             self._was_gathered.append(flat.gathered)
-            if flat.resident and self.modifier_rank is None:
-                self._saved[flat] = flat.full.clone()  # the weights are the shard itself: keep them to restore
+            if flat.resident:  # the weights are the shard itself: keep them to restore unless modified
+                self._saved[flat] = flat.full.clone()
             if not flat.gathered:
                 flat.gather_from(engine.placement.read(flat).to(engine.device))
 
@@ -59,9 +59,10 @@ class GatheredParameters:
                     values = engine.optimizer.read_state(flat)
                     values["master"] = new_shard.float().cpu()
                     engine.optimizer.load_state(flat, values)
-            elif flat in self._saved:  # changes without a modifier are discarded
-                flat.full.copy_(self._saved.pop(flat))
+            elif flat in self._saved:  # changes without a modifier (or cut short by an error) are discarded
+                flat.full.copy_(self._saved[flat])
             elif was_gathered:  # ... also on always-gathered weights
                 flat.gather_from(engine.placement.read(flat).to(engine.device))
             if not was_gathered:
                 flat.release()
+        self._saved.clear()

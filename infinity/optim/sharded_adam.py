@@ -93,10 +93,28 @@ class ShardedAdam(torch.optim.Optimizer):
     def accumulate_param_grads(self, flat: FlatParam, final: bool = True) -> None:
         """One rank, nothing to reduce: add the parameters' gradients straight into the accumulator."""
         state = self.shard_states[flat]
+        if state.grad.device != flat.full.device:  # e.g. CUDA compute, host optimizer: one flat copy over
+            full = flat.flat_grad()
+            if full is not None:
+                self.accumulate_grad(flat, full, final)
+            return
         if flat.grads_into(state.grad, accumulate=state.has_grad):
             state.has_grad = True
             if self.offloaded:
                 self.grad_bytes_to_host += state.grad.numel() * state.grad.element_size()
+
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether some shards of the current step were stepped already (only StreamedAdam does that)."""
+        return False
+
+    def refuse_mid_step(self, what: str) -> None:
+        """Raise if the optimizer is part way through a step; `what` names the refused operation."""
+        if self.step_in_progress:
+            raise RuntimeError(
+                f"{what} between backward and step: the NVMe optimizer has already stepped some shards as "
+                "their gradients arrived (no gradient clipping); call engine.step() first"
+            )
 
     def local_grad_norm_sq(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards (fp64 scalar on CPU); inf/nan if they overflowed.
@@ -172,7 +190,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def _publish_params(self, flat, master, param_shard, staging, fused: bool):
         if param_shard is not None:
             if not fused and param_shard.data_ptr() != master.data_ptr():
-                param_shard.copy_(master, non_blocking=True)
+                # a master that is a store buffer is released and reused once its writes are done
+                param_shard.copy_(master, non_blocking=not self._masters_outlive_writes)
             self.param_sink.updated_in_place(flat)
             return None
         if staging is not None:

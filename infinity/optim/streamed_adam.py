@@ -155,7 +155,13 @@ class StreamedAdam(ShardedAdam):
             sum(self._norm_sq.get(f, 0.0) for f, s in self.shard_states.items() if s.has_grad), dtype=torch.float64
         )
 
+    @property
+    def step_in_progress(self) -> bool:
+        """Some shards were stepped (or are being) as their gradients arrived; `step()` finishes the rest."""
+        return bool(self._arrived or self._stepping) or any(s.stepped for s in self.shard_states.values())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.refuse_mid_step("zero_grad")
         super().zero_grad(set_to_none)
         self._norm_sq.clear()
 
@@ -197,6 +203,7 @@ class StreamedAdam(ShardedAdam):
     # -- state access --------------------------------------------------------------------------
 
     def read_state(self, flat: FlatParam) -> dict[str, torch.Tensor]:
+        self.refuse_mid_step("reading the optimizer state (a checkpoint, full weights)")
         out = {}
         for name in STATE_NAMES:
             key = state_key(name, flat)
@@ -207,5 +214,6 @@ class StreamedAdam(ShardedAdam):
         return out
 
     def load_state(self, flat: FlatParam, values: dict[str, torch.Tensor]) -> None:
+        self.refuse_mid_step("loading optimizer state or weights")
         for name in STATE_NAMES:
             self.store.write(state_key(name, flat), values[name].to(torch.float32).contiguous()).wait()
