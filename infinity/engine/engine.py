@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import nn
 from infinity.comm import CommGroup, init_distributed
 from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
 from infinity.engine.budgets import plan_budgets
+from infinity.engine.grad_reduction import reduce_block_grads
 from infinity.engine.host_memory import limit_freed_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.placement import ShardPlacement
@@ -220,25 +220,7 @@ class InfinityEngine:
     # -- gradients -----------------------------------------------------------------------------
 
     def _reduce_block_grads(self, block: ShardedBlock) -> None:
-        """Reduce-scatter the block's full gradients into this rank's shards and free them."""
-        final = self.is_gradient_accumulation_boundary()
-        for flat in block.flats:
-            if not flat.requires_grad:
-                continue
-            if not self.comm.distributed:  # the gradients are already this rank's shard
-                self.optimizer.accumulate_param_grads(flat, final)
-                flat.clear_grads()
-                continue
-            full = flat.flat_grad()
-            if full is None:
-                full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=self.device)
-            shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device)
-            start = time.perf_counter_ns()
-            self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
-            if self.prof is not None:
-                self.prof.collective("reduce-scatter", block.name, full.numel() * 4, start, time.perf_counter_ns())
-            self.optimizer.accumulate_grad(flat, shard, final)
-            flat.clear_grads()
+        reduce_block_grads(block, self.comm, self.optimizer, self.is_gradient_accumulation_boundary(), self.prof)
 
     # -- the training API ----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import torch
 
 from infinity.optim.sharded_adam import ParamSink, ShardedAdam
 from infinity.partition.flat_param import FlatParam
-from infinity.storage import MoveHandle, TierStore
+from infinity.storage import MoveHandle, TierStore, aligned_empty
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -98,12 +98,19 @@ class StreamedAdam(ShardedAdam):
             if final:
                 self._norm_sq[flat] = float(torch.linalg.vector_norm(grad)) ** 2
             self._grad_writes.append((self.store.write(key, grad), grad))
-            while len(self._grad_writes) > self.window:
+            while len(self._grad_writes) > max(1, self.window // 2):  # as many as arrivals hold (budgets.py)
                 self._grad_writes.popleft()[0].wait()
             state.has_grad = True
 
     def accumulate_param_grads(self, flat: FlatParam, final: bool = True) -> None:
-        full = flat.flat_grad()  # the accumulator is on NVMe: stage the gradients in one flat first
+        # The accumulator is on NVMe: stage the gradients in one flat first, 4 KiB-aligned on the host so
+        # that it is written in place (an unaligned one would take a staging buffer as large again).
+        if flat.full.device.type == "cpu":
+            full = aligned_empty(flat.padded_numel * 4).view(torch.float32)
+            if flat.grads_into(full, accumulate=False):
+                self.accumulate_grad(flat, full, final)
+            return
+        full = flat.flat_grad()
         if full is not None:
             self.accumulate_grad(flat, full, final)
 
