@@ -40,11 +40,10 @@ def plan_budgets(
     sizes = [sum(p.numel() for _, p, _ in uses) for uses in (plan.root, plan.persistent)]
     sizes += [sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks]
     largest = math.ceil(max(sizes, default=0) / world_size) + SHARD_ALIGN_ELEMS
-    param_min = 2 * largest * itemsize if param_tier == "nvme" else 0
-    if compute_in_host_memory and param_tier == "nvme":
-        # gathers read the host copies, held from the prefetch to the gather: the bucket's worth of them
-        bucket = min(z.stage3_prefetch_bucket_size, sum(sizes))
-        param_min = (math.ceil(bucket / world_size) + 2 * largest) * itemsize
+    # NVMe parameters: one shard being gathered and one being written; where gathers read the host copies
+    # (compute in host memory), those are held from the prefetch to the gather: a bucket's worth more.
+    held = math.ceil(min(z.stage3_prefetch_bucket_size, sum(sizes)) / world_size) if compute_in_host_memory else 0
+    param_min = (held + 2 * largest) * itemsize if param_tier == "nvme" else 0
     optim_shard, grad_rmw = 16 * largest, 4 * largest if optim_tier == "nvme" else 0
     window = z.offload_optimizer.buffer_count
     host = z.host_budget_bytes

@@ -105,18 +105,14 @@ class StreamedAdam(ShardedAdam):
     def accumulate_param_grads(self, flat: FlatParam, final: bool = True) -> None:
         # The accumulator is on NVMe: stage the gradients in one flat first, 4 KiB-aligned on the host so
         # that it is written in place (an unaligned one would take a staging buffer as large again).
-        if flat.full.device.type == "cpu":
-            full = aligned_empty(flat.padded_numel * 4).view(torch.float32)
-            if flat.grads_into(full, accumulate=False):
-                self.accumulate_grad(flat, full, final)
-            return
-        full = flat.flat_grad()
+        out = aligned_empty(flat.padded_numel * 4).view(torch.float32) if flat.full.device.type == "cpu" else None
+        full = flat.flat_grad(out)
         if full is not None:
             self.accumulate_grad(flat, full, final)
 
     def _arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """A final gradient: read the shard's state ahead now; step the shards that arrived a few blocks ago."""
-        self.store.prefetch([state_key(n, flat) for n in STATE_NAMES], "host")
+        self.store.prefetch(self._keys(flat, with_grad=False), "host")
         self._arrived.append((flat, grad))
         # Half the window waits for its reads (they had a block of backward to arrive); the other half
         # of the window's host memory holds the stepped shards whose writes are still in flight.
@@ -133,8 +129,7 @@ class StreamedAdam(ShardedAdam):
         self._write_state(flat, master, exp_avg, exp_avg_sq, param_write, with_grad=False)
 
     def _fetch_state(self, flat: FlatParam, with_grad: bool) -> list[torch.Tensor]:
-        names = (*STATE_NAMES, "grad") if with_grad else STATE_NAMES
-        return [self.store.fetch(state_key(n, flat), "host").wait() for n in names]
+        return [self.store.fetch(key, "host").wait() for key in self._keys(flat, with_grad)]
 
     def _write_state(self, flat: FlatParam, master, exp_avg, exp_avg_sq, param_write, with_grad: bool) -> None:
         """Write the new state behind (waited for only when `window` shards are in flight); the shard's
@@ -174,8 +169,8 @@ class StreamedAdam(ShardedAdam):
 
     # -- the step ------------------------------------------------------------------------------
 
-    def _keys(self, flat: FlatParam) -> list[tuple[str, str]]:
-        return [state_key(n, flat) for n in (*STATE_NAMES, "grad")]
+    def _keys(self, flat: FlatParam, with_grad: bool = True) -> list[tuple[str, str]]:
+        return [state_key(n, flat) for n in ((*STATE_NAMES, "grad") if with_grad else STATE_NAMES)]
 
     def _step_native(self, grad_scale: float) -> None:
         self._finish_grad_writes()
@@ -199,8 +194,7 @@ class StreamedAdam(ShardedAdam):
     def _retire(self, flat: FlatParam, writes: list[MoveHandle], with_grad: bool) -> None:
         for handle in writes:
             handle.wait()
-        for name in (*STATE_NAMES, "grad") if with_grad else STATE_NAMES:
-            key = state_key(name, flat)
+        for key in self._keys(flat, with_grad):
             self.store.release(key, "host")
             self.store.evict(key)
 

@@ -122,10 +122,12 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def flat_grad(self) -> torch.Tensor | None:
-        """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none)."""
-        flat = torch.empty(self.padded_numel, dtype=torch.float32, device=self.full.device)
-        return flat if self.grads_into(flat, accumulate=False) else None
+    def flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none), `out`
+        if given; None when no parameter has a gradient."""
+        if out is None:
+            out = torch.empty(self.padded_numel, dtype=torch.float32, device=self.full.device)
+        return out if self.grads_into(out, accumulate=False) else None
 
     @torch.no_grad()
     def grads_into(self, out: torch.Tensor, accumulate: bool) -> bool:
