@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from infinity.storage import ALIGN, BudgetError, BufferPool
+from infinity.storage import ALIGN, BudgetError, BufferPool, aligned_empty, aligned_view
 
 MiB = 1 << 20
 
@@ -144,3 +144,18 @@ def test_pinning_is_asked_only_where_cuda_is() -> None:
     assert pool.pin_memory == torch.cuda.is_available()
     buf = pool.acquire(ALIGN)
     assert buf.is_pinned() == torch.cuda.is_available()
+
+
+def test_aligned_empty_always_covers_its_padding_for_direct_io_in_place() -> None:
+    """Wherever the allocator places the raw block (torch aligns to 64 bytes, so the skip to the next
+    4 KiB boundary is 0..4032 bytes), the aligned tensor's storage reaches round_up(n): `aligned_view`
+    can always write it in place. A skip past ALIGN - round_up(n) + n used to leave it short, which
+    made store tests that write such tensors in place fail about one run in ten."""
+    keep = []  # held, so that successive allocations land at different offsets within pages
+    for i in range(400):
+        nbytes = 4 * (5000 + 37 * i)
+        t = aligned_empty(nbytes)
+        assert t.data_ptr() % ALIGN == 0 and t.numel() == nbytes
+        assert aligned_view(t) is not None, f"{nbytes} bytes at skip {t.storage_offset()}"
+        keep.append(torch.empty(64 * (i % 7 + 1), dtype=torch.uint8))
+        keep.append(t)

@@ -22,8 +22,13 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 def aligned_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes` whose data starts on a 4 KiB boundary (no copy, a slice)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    """A uint8 CPU tensor of `nbytes` whose data starts on a 4 KiB boundary (no copy, a slice).
+
+    Its storage always extends to the next 4 KiB boundary past `nbytes`, so direct I/O can use it in
+    place (`aligned_view`) wherever the allocator happened to place it.
+    """
+    # round_up(nbytes) after the aligned start, whatever the skip (up to ALIGN - 1 bytes) turns out to be
+    raw = torch.empty(round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + nbytes]
 
