@@ -19,6 +19,7 @@ SEED = 1234
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one")
+    config.addinivalue_line("markers", "unit: the fast tier, no processes or disk-heavy runs (`pytest -m unit`)")
     torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU math several-fold
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -501,7 +501,7 @@ def gathered_parameters_session(steps_before: int, steps_after: int) -> dict:
         with torch.no_grad():
             for p in params.values():
                 p.fill_(7.0)
-    out["blocks_gathered_after_read"] = [b.gathered and not b.resident for b in engine.blocks]
+    out["blocks_gathered_after_read"] = [b.unsharded and not b.resident for b in engine.blocks]
     out["state_after_unmodified"] = engine.full_state_dict()
     with torch.no_grad():
         out["output_after_unmodified"] = engine(probe_input())[0].detach().clone()
@@ -580,12 +580,12 @@ def eval_session(kind: str, config: dict, steps_before: int, steps_after: int, m
     # a resident block (one rank: its parameters are views of its shard) holds nothing beyond its shard
     held = [b for b in (*engine.blocks, engine.root) if not b.resident]
     out["resident_blocks"] = len(engine.blocks) + 1 - len(held)
-    out["gathered_after_no_grad"] = [b.gathered for b in held]
+    out["gathered_after_no_grad"] = [b.unsharded for b in held]
     out["in_flight_after_no_grad"] = [b.in_flight for b in engine.blocks]
     with torch.inference_mode():
         logits2, _ = engine(probe_x, probe_y)
     out["inference_mode_logits"] = logits2.clone()
-    out["gathered_after_inference_mode"] = [b.gathered for b in held]
+    out["gathered_after_inference_mode"] = [b.unsharded for b in held]
     out["probe_rows"] = (probe_x, probe_y)
     engine.train()
     out["losses"] += train(steps_after)
@@ -619,7 +619,7 @@ def control_flow_session(steps: int, nvme_path: str | None = None) -> dict:
     def watcher(block):
         def hook(module, args):
             if torch.is_grad_enabled() and engine.scheduler.phase is not Phase.BACKWARD:
-                seen[-1][block.index] = block.gathered or block.in_flight
+                seen[-1][block.index] = block.unsharded or block.in_flight
 
         return hook
 
@@ -738,7 +738,7 @@ def modify_gathered_weight_without_modifier_rank() -> dict:
     rank, _ = rank_and_world()
     model = build("mlp")
     engine, _, _, _ = infinity.initialize(model=model, config=feature_config(persistence=32))
-    was_gathered = engine.persistent.gathered
+    was_gathered = engine.persistent.unsharded
     with infinity.GatheredParameters([model.layers[0].fc.bias]):
         if rank == 0:
             with torch.no_grad():

@@ -54,7 +54,7 @@ def train_from_init(nvme_path: str, steps: int, host_budget: int, device_budget:
         "initial": initial,
         "losses": losses,
         "state": engine.full_state_dict(),
-        "stats": engine.store.stats(),
+        "stats": engine.tiers.stats(),
     }
     engine.close()
     return result
@@ -89,7 +89,7 @@ def peak_rss_run(nvme_path: str, n_layer: int, n_embd: int, host_budget: int, de
         "state_bytes": 16 * params,
         "loss": loss.item(),
         "streamed_elems": streamed,
-        "stats": engine.store.stats(),
+        "stats": engine.tiers.stats(),
         "peak_rss_bytes": peak_rss_bytes(),
     }
     engine.close()

@@ -173,9 +173,8 @@ def test_save_holds_one_shards_state_in_memory_at_a_time(tmp_path, monkeypatch):
         weakref.finalize(t, lambda: live.__setitem__("now", live["now"] - nbytes))
         return t
 
-    read_param, read_state = engine.placement.read, engine.optimizer.read_state
-    monkeypatch.setattr(engine.placement, "read", lambda flat: track(read_param(flat)))
-    monkeypatch.setattr(engine.optimizer, "read_state", lambda flat: {k: track(v) for k, v in read_state(flat).items()})
+    read = engine.shards.read
+    monkeypatch.setattr(engine.shards, "read", lambda flat, kind: track(read(flat, kind)))
     engine.save_checkpoint(str(tmp_path))
     largest_shard = max(f.shard_numel for f in engine.flats) * 4
     everything = sum(f.shard_numel for f in engine.flats) * 4 * 4  # weights, master and two moments

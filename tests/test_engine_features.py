@@ -46,6 +46,7 @@ from test_engine_correctness import assert_weights_close
 import infinity
 from infinity.config import FP16Config
 from infinity.optim.loss_scaler import LossScaler
+from infinity.shards import ShardKind
 
 STEPS = 4
 MICRO_BS = 2
@@ -238,7 +239,7 @@ def test_one_rank_keeps_in_memory_shards_resident(offload):
         pytest.skip("with a GPU the host is not the compute's memory: shards on the host are gathered")
     cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, offload_optimizer=offload)
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
-    homes = {flat: engine.placement.home(flat) for flat in engine.flats}
+    homes = {flat: engine.shards.shard_view(flat, ShardKind.PARAM) for flat in engine.flats}
     for flat, home in homes.items():
         assert flat.resident and flat.full.data_ptr() == home.data_ptr(), flat.name
         for p in flat.params:
@@ -249,8 +250,9 @@ def test_one_rank_keeps_in_memory_shards_resident(offload):
         engine.backward(loss)
         engine.step()
     assert engine.scheduler.stall_s == 0.0 and "host->device" not in engine.bytes_moved
-    for flat, state in engine.optimizer.shard_states.items():
-        assert state.step == 2 and torch.equal(flat.full, state.master), flat.name  # fp32: the master itself
+    for flat, record in engine.shards.records.items():
+        master = engine.shards.shard_view(flat, ShardKind.MASTER)
+        assert record.step == 2 and torch.equal(flat.full, master), flat.name  # fp32: the master itself
     assert all(f.full.data_ptr() == home.data_ptr() for f, home in homes.items())
 
 

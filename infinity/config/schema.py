@@ -13,11 +13,12 @@ import types
 import typing
 from typing import Any
 
+from infinity.config.errors import ConfigError
+from infinity.config.sizes import parse_bytes
+
+__all__ = ["AUTO", "ConfigError", "option", "parse_section", "to_dict"]
+
 AUTO = "auto"
-
-
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names the key path and what is allowed."""
 
 
 def option(
@@ -137,8 +138,6 @@ def parse_section(cls: type, data: dict[str, Any], path: str = "") -> Any:
             values[f.name] = AUTO
             continue
         if meta.get("bytes") and isinstance(value, str):
-            from infinity.config.sizes import parse_bytes  # here: sizes imports this module
-
             parse_bytes(value, full)  # a ConfigError naming the key unless it is a size with a unit
             values[f.name] = value.strip()
             continue

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Any
 
-from infinity.config.schema import ConfigError
+from infinity.config.errors import ConfigError
 
 UNITS = {
     "b": 1,

@@ -1,6 +1,6 @@
 """Sharded checkpoints in DeepSpeed's shape: one model-states and one optim-states file per rank.
 
-`save_checkpoint(engine, dir, tag)` writes `dir/tag/` under a temporary name, with a manifest of
+`save_checkpoint(dir, tag, shards, module, run_state, ...)` writes `dir/tag/` under a temporary name, with a manifest of
 every file's size and SHA-256, fsyncs and renames it; rank 0 then points `dir/latest` at the tag,
 after every rank has finished. A crash at any moment leaves the previous checkpoint loadable (a
 re-save of an existing tag first moves the old folder aside, and loading finds it there).
@@ -28,11 +28,13 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from infinity.engine.checkpoint_format import (
     FormatError,
@@ -42,15 +44,24 @@ from infinity.engine.checkpoint_format import (
     TorchFileReader,
     write_torch_object,
 )
-
-if TYPE_CHECKING:
-    from infinity.engine.engine import InfinityEngine
+from infinity.shards.store import OPTIM_KINDS, ShardKind, ShardStore
 
 FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
 MANIFEST = "manifest_rank{rank}.json"
 LATEST = "latest"
 PAUSE_ENV = "INFINITY_TEST_PAUSE_IN_SAVE"
-OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
+OPTIM_STATES = tuple(kind.value for kind in OPTIM_KINDS)  # "master", "exp_avg", "exp_avg_sq"
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a checkpoint holds of the run besides the shards: counters, loss scale, schedule, hyper-parameters."""
+
+    global_steps: int
+    micro_steps: int
+    loss_scaler: dict[str, Any]
+    lr_scheduler: dict[str, Any] | None
+    param_groups: list[dict[str, Any]]
 
 
 class CheckpointError(RuntimeError):
@@ -120,11 +131,16 @@ def _pause_for_tests() -> None:
         time.sleep(float(seconds))
 
 
-def _flat_metadata(engine: InfinityEngine) -> dict[str, Any]:
-    """Per FlatParam: sizes, and each slot's fqn, every state-dict name of it (tied weights), shape, offset."""
+def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _flat_metadata(shards: ShardStore, module: nn.Module) -> dict[str, Any]:
+    """Per FlatParam: sizes, and each slot's fqn, every state-dict name of it (tied weights), shape, offset."""
+    names = _names_by_param(module)
     return {
         flat.name: {
             "numel": flat.numel,
@@ -141,16 +157,21 @@ def _flat_metadata(engine: InfinityEngine) -> dict[str, Any]:
                 for slot, p in zip(flat.slots, flat.params, strict=True)
             ],
         }
-        for flat in engine.flats
+        for flat in shards.flats
     }
 
 
 def save_checkpoint(
-    engine: InfinityEngine, save_dir: str | os.PathLike, tag: str | None, client_state: dict, save_latest: bool = True
+    save_dir: str | os.PathLike,
+    tag: str,
+    shards: ShardStore,
+    module: nn.Module,
+    run: RunState,
+    client_state: dict,
+    save_latest: bool = True,
 ) -> Path:
-    """Write this rank's shards and state; returns the checkpoint folder."""
-    comm = engine.comm
-    tag = tag or f"global_step{engine.global_steps}"
+    """Write this rank's shards (read from `shards`) and `run`; returns the checkpoint folder."""
+    comm = shards.comm
     root = Path(save_dir)
     final = root / tag
     staging = root / f".{tag}.tmp"
@@ -161,50 +182,47 @@ def save_checkpoint(
     comm.barrier("checkpoint staging folder")
     # Shards are specs, read from their tier (NVMe included) one at a time while the file is written,
     # so a save holds one shard's state in host memory, not the rank's.
-    flats = {f.name: f for f in engine.flats}
+    flats = {f.name: f for f in shards.flats}
     model_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "param_shards": {name: TensorSpec(name, (f.shard_numel,), f.full.dtype) for name, f in flats.items()},
-        "buffers": {k: v.cpu() for k, v in engine.module.named_buffers()},
-        "flats": _flat_metadata(engine),
-        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "loss_scaler": engine.loss_scaler.state_dict(),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "buffers": {k: v.cpu() for k, v in module.named_buffers()},
+        "flats": _flat_metadata(shards, module),
+        "state_dict_keys": list(module.state_dict(keep_vars=True)),
+        "global_steps": run.global_steps,
+        "micro_steps": run.micro_steps,
+        "loss_scaler": run.loss_scaler,
+        "lr_scheduler": run.lr_scheduler,
         "rng": _rng_state(),
         "client_state": client_state,
     }
     files = {
         model_file(comm.rank): _write(
-            staging / model_file(comm.rank), model_states, lambda spec: engine.placement.read(flats[spec.name])
+            staging / model_file(comm.rank),
+            model_states,
+            lambda spec: shards.read(flats[spec.name], ShardKind.PARAM),
         )
     }
     _pause_for_tests()
     optim_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        "param_groups": run.param_groups,
         "shards": {
             f.name: {
                 **{kind: TensorSpec(f"{kind}/{f.name}", (f.shard_numel,), torch.float32) for kind in OPTIM_STATES},
-                "step": s.step,
+                "step": record.step,
             }
-            for f, s in engine.optimizer.shard_states.items()
+            for f, record in shards.records.items()
         },
     }
-    current: dict[str, Any] = {}  # the one shard whose optimizer state is in memory
 
     def optim_state(spec: TensorSpec) -> torch.Tensor:
         kind, _, name = spec.name.partition("/")
-        if current.get("name") != name:
-            current.clear()
-            current.update(name=name, state=engine.optimizer.read_state(flats[name]))
-        return current["state"][kind]
+        return shards.read(flats[name], ShardKind(kind))
 
     files[optim_file(comm.rank)] = _write(staging / optim_file(comm.rank), optim_states, optim_state)
-    current.clear()
     manifest = {"format_version": FORMAT_VERSION, "world_size": comm.world_size, "rank": comm.rank, "files": files}
     _write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
     comm.barrier("checkpoint files written")
@@ -345,24 +363,26 @@ class CheckpointFiles:
 
 
 def load_checkpoint(
-    engine: InfinityEngine,
     load_dir: str | os.PathLike,
     tag: str | None,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-) -> tuple[Path, dict]:
-    """Restore every rank's shards and state from `load_dir/tag` (or the tag `latest` names).
+    shards: ShardStore,
+    module: nn.Module,
+    optimizer_too: bool = True,
+    restore_rng: bool = True,
+    elastic: bool = False,
+) -> tuple[Path, dict, RunState]:
+    """Restore every rank's shards (into `shards`) and buffers (into `module`) from `load_dir/tag` (or the
+    tag `latest` names), and with `restore_rng` the RNG states; returns (the folder, the client state, the
+    saved RunState) for the caller to apply.
 
-    As in DeepSpeed: `load_module_only` restores the weights alone (fp32 masters included, so training
-    continues from exactly them); `load_optimizer_states=False` keeps the engine's Adam moments and
-    step counts; `load_lr_scheduler_states=False` keeps its schedule.
+    As in DeepSpeed: without `optimizer_too` the weights alone are restored (fp32 masters included, so
+    training continues from exactly them) and the store keeps its Adam moments and step counts. A
+    checkpoint of another world size is resharded while loading when `elastic`, refused otherwise.
     """
-    optimizer_too = load_optimizer_states and not load_module_only
     folder = resolve_folder(load_dir, tag)
-    comm = engine.comm
+    comm = shards.comm
     saved_world = int(read_manifest(folder, 0)["world_size"])
-    if saved_world != comm.world_size and not engine.config.zero_optimization.elastic_checkpoint:
+    if saved_world != comm.world_size and not elastic:
         raise CheckpointError(
             f"checkpoint '{folder}' was written by {saved_world} rank(s) and this run has {comm.world_size}; "
             f'resume with {saved_world} rank(s), or set "zero_optimization": {{"elastic_checkpoint": true}} '
@@ -375,44 +395,42 @@ def load_checkpoint(
         source = comm.rank if comm.rank < saved_world else 0  # whose step counts, RNG and client state we take
         model_reader, optim_reader = files.reader("model", source), files.reader("optim", source)
         model_states, optim_states = model_reader.obj, optim_reader.obj
-        _check_same_model(engine, folder, model_states)
+        _check_same_model(shards, folder, model_states)
         with torch.no_grad():
-            for flat in engine.flats:
+            for flat in shards.flats:
                 start, end = flat.shard_range
-                engine.placement.assign(flat, files.read_range("param", flat.name, start, end))
-            for flat, state in engine.optimizer.shard_states.items():
-                start, end = flat.shard_range
+                if flat not in shards.records:  # frozen: the compute-dtype shard is all there is
+                    shards.assign_param(flat, files.read_range("param", flat.name, start, end))
+                    continue
+                master = files.read_range("master", flat.name, start, end)
                 if optimizer_too:
-                    values = {kind: files.read_range(kind, flat.name, start, end) for kind in OPTIM_STATES}
-                    engine.optimizer.load_state(flat, values)
-                    state.step = optim_states["shards"][flat.name]["step"]
+                    moments = tuple(files.read_range(kind, flat.name, start, end) for kind in OPTIM_STATES[1:])
+                    shards.assign(flat, master, moments, step=optim_states["shards"][flat.name]["step"])
                 else:
-                    engine.optimizer.set_master(flat, files.read_range("master", flat.name, start, end))
-            buffers = dict(engine.module.named_buffers())
+                    shards.assign(flat, master)
+            for flat in shards.flats:
+                shards.sync_resident(flat)
+            buffers = dict(module.named_buffers())
             for key, value in model_states["buffers"].items():
                 buffers[key].copy_(model_reader.load(value))
         client_state = model_reader.materialize(model_states["client_state"])
-        if optimizer_too:
-            for group, saved in zip(engine.optimizer.param_groups, optim_states["param_groups"], strict=True):
-                group.update(saved)
-            engine.optimizer.sync_step_counts()
-        if not load_module_only:
-            engine.global_steps = model_states["global_steps"]
-            engine.micro_steps = model_states["micro_steps"]
-            engine.loss_scaler.load_state_dict(model_states["loss_scaler"])
+        saved = RunState(
+            global_steps=model_states["global_steps"],
+            micro_steps=model_states["micro_steps"],
+            loss_scaler=model_states["loss_scaler"],
+            lr_scheduler=model_states["lr_scheduler"],
+            param_groups=optim_states["param_groups"],
+        )
+        if restore_rng:
             _set_rng_state(model_reader.materialize(model_states["rng"]))
-        if load_lr_scheduler_states and not load_module_only and engine.lr_scheduler is not None:
-            if model_states["lr_scheduler"] is not None:
-                engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
-    engine.persistent.release()  # re-gathered from the restored shards at the next forward
-    return folder, client_state
+    return folder, client_state, saved
 
 
-def _check_same_model(engine: InfinityEngine, folder: Path, model_states: dict[str, Any]) -> None:
-    names = {f.name for f in engine.flats}
+def _check_same_model(shards: ShardStore, folder: Path, model_states: dict[str, Any]) -> None:
+    names = {f.name for f in shards.flats}
     if set(model_states["param_shards"]) != names:
         raise CheckpointError(f"checkpoint '{folder}' holds a different model: its blocks do not match this engine's")
-    for flat in engine.flats:
+    for flat in shards.flats:
         saved = model_states.get("flats", {}).get(flat.name)
         if saved is not None and saved["numel"] != flat.numel:
             raise CheckpointError(

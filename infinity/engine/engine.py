@@ -1,4 +1,9 @@
-"""InfinityEngine: wires partition, placement, scheduler and optimizer into forward/backward/step."""
+"""InfinityEngine: wires placement, shard store, optimizer and scheduler into forward/backward/step.
+
+The constructor is a list of wiring steps, each a function with explicit arguments (torchtitan's
+`parallelize` style): resolve the config and the placement policy, plan blocks and memory, open the
+tiers and the shard store, shard the model into it, build the optimizer and the hooks.
+"""
 
 from __future__ import annotations
 
@@ -12,24 +17,27 @@ from torch import nn
 
 from infinity.comm import CommGroup, init_distributed
 from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
-from infinity.engine.budgets import plan_budgets
 from infinity.engine.grad_reduction import reduce_block_grads
 from infinity.engine.host_memory import limit_freed_memory
+from infinity.engine.memory_plan import plan_memory
 from infinity.engine.param_groups import plan_groups
-from infinity.engine.placement import ShardPlacement
+from infinity.engine.sharding import shard_model
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.lr_schedules import build_schedule
 from infinity.optim.sharded_adam import ShardedAdam
-from infinity.optim.streamed_adam import StreamedAdam
-from infinity.partition import FlatParam, plan_blocks
-from infinity.partition.materialize import check_materializable, materialize_modules
+from infinity.partition import plan_blocks
+from infinity.partition.materialize import check_materializable
 from infinity.partition.sharded_block import ShardedBlock
+from infinity.profiler.null_writer import NullTraceWriter
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
-from infinity.storage import TierStore
+from infinity.shards import MallocTuning, Placement, ShardStore, resolve_placement
+from infinity.shards.registry import owner_of
+from infinity.storage import MoveCounter, Tier, TierStore
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TIERS = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+def compute_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _hidden_size(model: nn.Module) -> int | None:
@@ -42,13 +50,35 @@ def _hidden_size(model: nn.Module) -> int | None:
 
 
 def _check_model(model: nn.Module) -> None:
-    if getattr(model, "_infinity_engine", None) is not None:
-        raise ValueError("this model is already wrapped by an infinity engine; pass the original model only once")
     for name, p in model.named_parameters():
-        if getattr(p, "_infinity_flat", None) is not None:
-            raise ValueError(f"parameter '{name}' is already sharded by another engine")
+        if owner_of(p) is not None:
+            raise ValueError(
+                f"this model is already wrapped by an infinity engine (its parameter '{name}' is sharded); pass "
+                "the original model only once, or close() the other engine first"
+            )
     if any(p.is_meta for p in model.parameters()):
         check_materializable(model)
+
+
+def _check_stage(cfg: InfinityConfig) -> None:
+    stage = cfg.zero_optimization.stage
+    if stage != 3:
+        raise ConfigError(f"'zero_optimization.stage' is {stage}; infinity implements ZeRO stage 3 only: set it to 3")
+
+
+def apply_process_settings(placement: Placement) -> None:
+    """Process-wide settings the placement calls for: CPU float hygiene, malloc's freed memory."""
+    if placement.compute_device.type == "cpu":
+        torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
+    if placement.malloc is not MallocTuning.NONE:
+        limit_freed_memory(return_to_os=placement.malloc is MallocTuning.RETURN_TO_OS)  # see host_memory
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = buf.to(device)
 
 
 class InfinityEngine:
@@ -64,80 +94,38 @@ class InfinityEngine:
     ) -> None:
         _check_model(model)
         cfg = load_config(config)
-        z = cfg.zero_optimization
-        if z.stage != 3:
-            raise ConfigError(
-                f"'zero_optimization.stage' is {z.stage}; infinity implements ZeRO stage 3 only: set it to 3"
-            )
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        rank, world = init_distributed(self.device, z.comm_timeout_s)
+        _check_stage(cfg)
+        device = compute_device()
+        rank, world = init_distributed(device, cfg.zero_optimization.comm_timeout_s)
         self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
-        cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
-        self.config = cfg
-        self.compute_dtype = _DTYPES[cfg.compute_dtype_name]
-        if self.device.type == "cpu":
-            torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
+        self.config = cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
+        z = cfg.zero_optimization
+        self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
+        apply_process_settings(self.placement)
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
         self.loss_scaler = LossScaler(cfg.fp16)
+        _move_buffers(model, device)
 
-        param_tier = _TIERS[z.offload_param.device]
-        optim_tier = _TIERS[z.offload_optimizer.device]
-        if self.device.type == "cpu" and "nvme" in (param_tier, optim_tier):
-            limit_freed_memory(return_to_os=z.host_budget_bytes is not None)  # see host_memory
-        for buf_module in model.modules():
-            for key, buf in buf_module._buffers.items():
-                if buf is not None:
-                    buf_module._buffers[key] = buf.to(self.device)
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
-
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-        # A CPU-only machine computes from host memory; given its own `device_budget_bytes`, the device
-        # tier stands apart from the host (as on a GPU) and gathers copy shards into it.
-        compute_reads_host = self.device.type == "cpu" and z.device_budget_bytes is None
-        budget_plan = plan_budgets(
-            z, plan, world, self.compute_dtype.itemsize, param_tier, optim_tier, compute_reads_host
+        memory = plan_memory(z, plan, self.placement)
+        self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
+        self.moves = MoveCounter(forward=self.prof)  # the bytes that moved between tiers, for bytes_moved
+        self.tiers = TierStore.from_config(
+            z.offload_param, z.offload_optimizer, cfg.aio, memory.budgets, rank=rank, device=device, recorder=self.moves
         )
-        self.prof = open_trace_writer(cfg, rank, world)  # None unless the config's profiler is enabled
-        self.store = TierStore.from_config(
-            z.offload_param,
-            z.offload_optimizer,
-            cfg.aio,
-            budget_plan.budgets,
-            rank=rank,
-            device=self.device,
-            recorder=self.prof,
+        self.shards = ShardStore(
+            self.tiers,
+            self.placement,
+            self.comm,
+            read_ahead_bytes=memory.param_read_ahead_bytes,
+            grad_writes_in_flight=memory.optimizer_window // 2,  # as many as arrivals hold (memory_plan)
         )
-        self.placement = ShardPlacement(
-            self.store, param_tier, compute_reads_host, read_ahead_bytes=budget_plan.param_read_ahead_bytes
-        )
-        if optim_tier == "nvme":
-            self.optimizer: ShardedAdam = StreamedAdam(
-                groups.groups, groups.adamw_mode, self.placement, self.store, budget_plan.optimizer_window
-            )
-            # Nothing global to wait for (a clipping norm, an fp16 overflow check, a client optimizer's
-            # hyper-parameters set at step time): step each shard while backward goes on.
-            self.optimizer.step_as_grads_arrive = (
-                cfg.gradient_clipping <= 0 and not self.loss_scaler.enabled and optimizer is None
-            )
-        else:
-            self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, optim_tier != "device", self.placement)
-        self._optim_device = self.device if optim_tier == "device" else torch.device("cpu")
+        self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, self.shards, memory.optimizer_window)
+        self.blocks, self.root, self.persistent = shard_model(model, plan, groups.group_of, self.shards, self.comm)
 
-        # Block by block: materialize (if built on meta), flatten, shard, store; never the whole model at once.
-        self.blocks = []
-        for i, (name, module, uses) in enumerate(plan.blocks):
-            materialize_modules(module.modules(), model, torch.device("cpu"))
-            self.blocks.append(ShardedBlock(i, name, module, self._shard(name, uses, groups.group_of, False)))
-        materialize_modules(model.modules(), model, torch.device("cpu"))
-        self.root = ShardedBlock(-1, "<root>", model, self._shard("<root>", plan.root, groups.group_of, False))
-        self.persistent = ShardedBlock(
-            -2, "<persistent>", None, self._shard("<persistent>", plan.persistent, groups.group_of, True)
-        )
-        self.flats = [f for b in (*self.blocks, self.root, self.persistent) for f in b.flats]
         self._client_optimizer = optimizer
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
         # With a client optimizer, its param groups are the hyper-parameters' source of truth unless the
@@ -151,60 +139,28 @@ class InfinityEngine:
             self.blocks,
             self.root,
             self.persistent,
-            self.placement,
+            self.shards,
             self._reduce_block_grads,
             prefetch_bucket_elems=z.stage3_prefetch_bucket_size,
             max_live_elems=z.stage3_max_live_parameters,
             max_reuse_distance_elems=z.stage3_max_reuse_distance,
+            gather_waits_on=self.placement.gather_waits_on,
+            collectives=world > 1,
+            prof=self.prof,
         )
-        self.scheduler.prof = self.prof
-        self.scheduler.gather_waits_on = {"device": "all-gather", "host": "host->device", "nvme": "nvme->host"}[
-            param_tier
-        ]
-        model._infinity_engine = self
+        self.moves.reset()  # bytes_moved counts training's moves, not the shards' first placement
 
-    # -- construction helpers ------------------------------------------------------------------
+    @property
+    def flats(self):
+        return self.shards.flats
 
-    def _shard(self, name: str, uses, group_of: dict[int, int], persistent: bool) -> list[FlatParam]:
-        """One FlatParam per param group (frozen ones apart), each sharded into the store at once."""
-        by_group: dict[int | None, list] = {}
-        for fqn, old_param, param_uses in uses:
-            module, attr = param_uses[0]
-            current = module._parameters[attr]  # materialization may have replaced a meta parameter
-            by_group.setdefault(group_of.get(id(old_param)), []).append((fqn, current, param_uses))
-        flats = []
-        for group_index, members in sorted(by_group.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-            tag = "frozen" if group_index is None else group_index
-            flat = FlatParam(
-                f"{name}#{tag}", members, self.compute_dtype, self.device, self.comm, group_index, persistent
-            )
-            for p in flat.params:
-                p._infinity_flat = flat
-                p._infinity_owner = self
-            self._place(flat)
-            flats.append(flat)
-        return flats
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.placement.compute_dtype
 
-    def _place(self, flat: FlatParam) -> None:
-        """Put the flat's shard in the store and its master in the optimizer; free the full values."""
-        full32 = flat.initial_full_fp32()
-        flat.install_views()  # from here on the parameters are views into the flat buffer
-        start, end = flat.shard_range
-        self.placement.put(flat, full32[start:end].to(self.compute_dtype))
-        home = self.placement.home(flat)
-        if flat.requires_grad:
-            if home is not None and home.dtype == torch.float32 and home.device == self._optim_device:
-                master = home  # fp32 with weights and optimizer on one tier: one copy serves both
-            else:
-                master = full32[start:end].to(self._optim_device, copy=True)
-            self.optimizer.add_shard(flat, master, home)
-        if not self.comm.distributed and home is not None and home.device == self.device:
-            flat.bind_resident(home)  # one rank, shard already where compute runs: nothing to gather
-        elif flat.persistent:
-            with torch.no_grad():
-                flat.full.copy_(full32)
-        else:
-            flat.release()
+    @property
+    def device(self) -> torch.device:
+        return self.placement.compute_device
 
     def _make_lr_scheduler(self, lr_scheduler: Any):
         if lr_scheduler is not None:
@@ -228,15 +184,14 @@ class InfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        if self.prof is not None:
-            if self.micro_steps % self.gradient_accumulation_steps == 0 and self.scheduler.phase.value == "idle":
-                self.prof.begin_step(self.global_steps)
-            self.prof.set_phase("forward")
+        if self.micro_steps % self.gradient_accumulation_steps == 0 and self.scheduler.phase.value == "idle":
+            self.prof.begin_step(self.global_steps)
+        self.prof.set_phase("forward")
         return self.module(*args, **kwargs)
 
     def _record_live_bytes(self) -> None:
-        for tier in ("device", "host", "nvme"):
-            self.prof.live(tier, self.store.live_bytes(tier))
+        for tier in Tier:
+            self.prof.live(tier.value, self.tiers.live_bytes(tier))
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -249,22 +204,19 @@ class InfinityEngine:
         """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""
         scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
         self.scheduler.begin_backward()
-        if self.prof is not None:
-            self.prof.set_phase("backward")
-            self._record_live_bytes()
+        self.prof.set_phase("backward")
+        self._record_live_bytes()
         scaled.backward()
         self.scheduler.finish_backward()
 
     def step(self) -> None:
         """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
         if self.is_gradient_accumulation_boundary():
-            if self.prof is not None:
-                self.prof.set_phase("optimizer")
-                self._record_live_bytes()
+            self.prof.set_phase("optimizer")
+            self._record_live_bytes()
             self._optimizer_step()
-            if self.prof is not None:
-                self._record_live_bytes()
-                self.prof.end_step(self.global_steps - 1)
+            self._record_live_bytes()
+            self.prof.end_step(self.global_steps - 1)
         self.micro_steps += 1
 
     def _sync_hyperparameters(self, into_client: bool) -> None:
@@ -282,7 +234,7 @@ class InfinityEngine:
         clip = self.config.gradient_clipping
         scale = self.loss_scaler.scale
         coef = 1.0
-        if clip > 0 or self.loss_scaler.enabled:
+        if self.placement.needs_grad_norm:
             norm_sq = self.optimizer.local_grad_norm_sq().to(self.device)
             self.comm.all_reduce(norm_sq, "gradient norm")
             norm = math.sqrt(norm_sq.item()) / scale if math.isfinite(norm_sq.item()) else math.inf
@@ -294,7 +246,7 @@ class InfinityEngine:
             coef = ShardedAdam.clip_coefficient(norm, clip)
         self.optimizer.step(grad_scale=coef / scale)
         self.optimizer.zero_grad()
-        self.persistent.release()  # its gathered copy is stale: re-gathered at the next forward
+        self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
             self._sync_hyperparameters(into_client=not self._client_is_truth)
@@ -302,12 +254,12 @@ class InfinityEngine:
 
     @property
     def bytes_moved(self) -> dict[str, int]:
-        """Bytes moved between tiers so far, per "from->to" pair (parameters, gradients, optimizer state)."""
-        moved = dict(self.placement.bytes_moved)
-        if self.optimizer.grad_bytes_to_host:
-            moved["device->host"] = self.optimizer.grad_bytes_to_host
-        for pair, nbytes in getattr(self.optimizer, "nvme_bytes", {}).items():
-            moved[pair] = moved.get(pair, 0) + nbytes
+        """Bytes that moved between tiers since initialization, per "from->to" pair: parameter shards,
+        optimizer state and gradients as the store moved them (cache hits move nothing), and gradients
+        copied off the device."""
+        moved = dict(self.moves.bytes)
+        if self.shards.grad_bytes_to_host:
+            moved["device->host"] = moved.get("device->host", 0) + self.shards.grad_bytes_to_host
         return moved
 
     @property
@@ -317,11 +269,10 @@ class InfinityEngine:
 
     def close(self) -> None:
         """Release the engine's storage (the NVMe swap files are removed); call once training is done."""
-        self.optimizer.finish_param_writes()
+        self.optimizer.stepper.drain()
         self.scheduler.remove_hooks()
-        self.store.close()
-        if self.prof is not None:
-            self.prof.close()
+        self.shards.close()
+        self.prof.close()
 
     destroy = close  # DeepSpeed's name
 
@@ -341,6 +292,8 @@ class InfinityEngine:
     def skipped_steps(self) -> int:
         return self.loss_scaler.skipped_steps
 
+    # -- state in and out: checkpoints and full weights ----------------------------------------
+
     def save_checkpoint(
         self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
     ) -> str:
@@ -348,8 +301,10 @@ class InfinityEngine:
         from infinity.engine.checkpoint import save_checkpoint
 
         self.optimizer.refuse_mid_step("save_checkpoint")
-
-        return str(save_checkpoint(self, save_dir, tag, client_state or {}, save_latest))
+        tag = tag or f"global_step{self.global_steps}"
+        return str(
+            save_checkpoint(save_dir, tag, self.shards, self.module, self._run_state(), client_state or {}, save_latest)
+        )
 
     def load_checkpoint(
         self,
@@ -363,27 +318,55 @@ class InfinityEngine:
         from infinity.engine.checkpoint import load_checkpoint
 
         self.optimizer.refuse_mid_step("load_checkpoint")
-
-        folder, client_state = load_checkpoint(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        optimizer_too = load_optimizer_states and not load_module_only
+        folder, client_state, saved = load_checkpoint(
+            load_dir,
+            tag,
+            self.shards,
+            self.module,
+            optimizer_too,
+            restore_rng=not load_module_only,
+            elastic=self.config.zero_optimization.elastic_checkpoint,
         )
+        if optimizer_too:
+            for group, saved_group in zip(self.optimizer.param_groups, saved.param_groups, strict=True):
+                group.update(saved_group)
+        if not load_module_only:
+            self.global_steps, self.micro_steps = saved.global_steps, saved.micro_steps
+            self.loss_scaler.load_state_dict(saved.loss_scaler)
+        if load_lr_scheduler_states and not load_module_only and self.lr_scheduler is not None:
+            if saved.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(saved.lr_scheduler)
+        self.persistent.reshard()  # re-gathered from the restored shards at the next forward
         return str(folder), client_state
+
+    def _run_state(self):
+        from infinity.engine.checkpoint import RunState
+
+        return RunState(
+            global_steps=self.global_steps,
+            micro_steps=self.micro_steps,
+            loss_scaler=self.loss_scaler.state_dict(),
+            lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        )
 
     def iter_full_state(self):
         """Yield (name, full fp32 CPU tensor) block by block; every rank must iterate it to the end."""
         from infinity.engine.state_io import iter_full_state
 
-        return iter_full_state(self)
+        self.optimizer.refuse_mid_step("reading the optimizer state (a checkpoint, full weights)")
+        return iter_full_state(self.shards, self.module)
 
     def load_full_state(self, source, strict: bool = True) -> list[str]:
         """Load pretrained weights (a state dict, a torch file or a folder of safetensors), block by block."""
         from infinity.engine.state_io import load_full_state
 
         self.optimizer.refuse_mid_step("load_full_state")
-
-        return load_full_state(self, source, strict)
+        return load_full_state(self.shards, self.module, source, strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from infinity.engine.gathered import full_state_dict
+        from infinity.engine.state_io import full_state_dict
 
-        return full_state_dict(self)
+        self.optimizer.refuse_mid_step("reading the optimizer state (a checkpoint, full weights)")
+        return full_state_dict(self.shards, self.module)

@@ -11,14 +11,17 @@ from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition.sharded_block import ShardedBlock
 
 
-def reduce_block_grads(block: ShardedBlock, comm: CommGroup, optimizer: ShardedAdam, final: bool, prof=None) -> None:
+def reduce_block_grads(block: ShardedBlock, comm: CommGroup, optimizer: ShardedAdam, final: bool, prof) -> None:
     """Reduce-scatter the block's full gradients into this rank's shards, hand them to the optimizer and
-    free them; `final` marks the last micro-batch before a step. `prof`: a TraceWriter, or None."""
+    free them; `final` marks the last micro-batch before a step. `prof` records the collectives.
+
+    With one rank the gradients are this rank's shard already: the one place that knows it, so they go
+    to the accumulator in one pass instead of through a reduction."""
     for flat in block.flats:
         if not flat.requires_grad:
             continue
-        if not comm.distributed:  # the gradients are already this rank's shard
-            optimizer.accumulate_param_grads(flat, final)
+        if comm.world_size == 1:
+            optimizer.accumulate_local_grads(flat, final)
             flat.clear_grads()
             continue
         full = flat.flat_grad()
@@ -27,7 +30,6 @@ def reduce_block_grads(block: ShardedBlock, comm: CommGroup, optimizer: ShardedA
         shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=flat.full.device)
         start = time.perf_counter_ns()
         comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
-        if prof is not None:
-            prof.collective("reduce-scatter", block.name, full.numel() * 4, start, time.perf_counter_ns())
+        prof.collective("reduce-scatter", block.name, full.numel() * 4, start, time.perf_counter_ns())
         optimizer.accumulate_grad(flat, shard, final)
         flat.clear_grads()

@@ -8,51 +8,43 @@ from a state dict, a torch checkpoint (memory-mapped) or a folder of safetensors
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from infinity.partition import FlatParam
-
-if TYPE_CHECKING:
-    from infinity.engine.engine import InfinityEngine
+from infinity.shards.store import ShardStore
 
 
-def _names_by_param(engine: InfinityEngine) -> dict[int, list[str]]:
+def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return names
 
 
-def gather_full(engine: InfinityEngine, flat: FlatParam, fp32: bool) -> torch.Tensor:
-    """The whole flat buffer on every rank: fp32 masters if trainable and `fp32`, else the compute shards."""
-    if fp32 and flat in engine.optimizer.shard_states:
-        shard = engine.optimizer.read_state(flat)["master"].to(engine.device)
-    else:
-        shard = engine.placement.read(flat).to(engine.device)
-        if fp32:
-            shard = shard.float()
-    full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=engine.device)
-    engine.comm.all_gather(full, shard, f"full weights of {flat.name}")
-    return full
-
-
 @torch.no_grad()
-def iter_full_state(engine: InfinityEngine) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_state(shards: ShardStore, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, fp32 CPU tensor) for every parameter name and buffer of the model; every rank must iterate."""
-    names = _names_by_param(engine)
-    for flat in engine.flats:
-        values = flat.unflatten(gather_full(engine, flat, fp32=True).cpu())
+    names = _names_by_param(module)
+    for flat in shards.flats:
+        values = flat.unflatten(shards.gather_full(flat).cpu())
         for slot, p in zip(flat.slots, flat.params, strict=True):
             tensor = values[slot.fqn].clone()
             for name in names[id(p)]:
                 yield name, tensor
         del values
-    for name, buf in engine.module.named_buffers():
+    for name, buf in module.named_buffers():
         yield name, buf.detach().cpu().clone()
+
+
+@torch.no_grad()
+def full_state_dict(shards: ShardStore, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 weights on CPU keyed like the unwrapped model's state_dict (every name of a tied weight)."""
+    values = dict(iter_full_state(shards, module))
+    return OrderedDict((key, values[key]) for key in module.state_dict(keep_vars=True))
 
 
 class _TensorSource:
@@ -94,19 +86,19 @@ class _TensorSource:
 
 
 @torch.no_grad()
-def load_full_state(engine: InfinityEngine, source, strict: bool = True) -> list[str]:
+def load_full_state(shards: ShardStore, module: nn.Module, source, strict: bool = True) -> list[str]:
     """Write full weights into every rank's shards (and fp32 masters); returns the names not found."""
     tensors = _TensorSource(source)
     available = tensors.keys()
-    names = _names_by_param(engine)
+    names = _names_by_param(module)
     missing: list[str] = []
-    for flat in engine.flats:
+    for flat in shards.flats:
         found = {
             slot.fqn: next((n for n in names[id(p)] if n in available), None)
             for slot, p in zip(flat.slots, flat.params, strict=True)
         }
         # parameters absent from the source keep their current values
-        full = gather_full(engine, flat, fp32=True).cpu() if None in found.values() else torch.zeros(flat.padded_numel)
+        full = shards.gather_full(flat).cpu() if None in found.values() else torch.zeros(flat.padded_numel)
         for slot in flat.slots:
             name = found[slot.fqn]
             if name is None:
@@ -117,14 +109,12 @@ def load_full_state(engine: InfinityEngine, source, strict: bool = True) -> list
                 raise ValueError(f"pretrained '{name}' has shape {tuple(value.shape)}, the model {tuple(slot.shape)}")
             full[slot.offset : slot.offset + slot.numel] = value.reshape(-1).float()
         start, end = flat.shard_range
-        engine.placement.assign(flat, full[start:end].to(flat.full.dtype))
-        if flat in engine.optimizer.shard_states:
-            engine.optimizer.set_master(flat, full[start:end].clone())
-        if flat.gathered:  # always-gathered weights see the new values at once
+        shards.assign(flat, full[start:end])
+        if flat.unsharded:  # gathered or resident weights see the new values at once
             flat.full.copy_(full.to(flat.full.dtype))
     if strict and missing:
         raise KeyError(f"pretrained weights lack {len(missing)} parameter(s), e.g. {missing[:5]}; pass strict=False")
-    for name, buf in engine.module.named_buffers():
+    for name, buf in module.named_buffers():
         if name in available:
             buf.copy_(tensors.get(name))
     return missing

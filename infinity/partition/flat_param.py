@@ -1,17 +1,18 @@
 """FlatParam: some parameters of one block as one flat buffer, of which each rank holds a 1/N shard.
 
-The full (gathered) buffer is allocated once and its storage is resized to zero when released; the
-parameters are views into it while gathered and empty tensors otherwise. Tensors autograd saved
+The full (unsharded) buffer is allocated once and its storage is resized to zero when resharded; the
+parameters are views into it while unsharded and empty tensors otherwise. Tensors autograd saved
 during forward keep pointing at the same storage, so refilling it before backward makes them valid
 again (the technique FSDP1's flat parameter uses).
 
-With one rank the shard is the whole buffer: when it lives in memory the compute can address, the
-flat is made *resident* on it (`bind_resident`): the parameters are views of the shard itself and
-gathering or releasing moves nothing.
+A flat is in one `FlatState`: SHARDED (no full buffer), UNSHARDED (gathered until resharded), or
+RESIDENT: the full buffer is permanent memory the shard store owns (one rank whose shard lives where
+the compute reads it: the shard is the whole flat), so unsharding or resharding it moves nothing.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,12 @@ from infinity.comm import CommGroup
 # Each rank's shard is a multiple of this many elements: 4 KiB of fp32, so shards of every dtype stay
 # aligned for direct I/O and divide evenly by the world size.
 SHARD_ALIGN_ELEMS = 1024
+
+
+class FlatState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+    RESIDENT = "resident"
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,16 @@ class FlatParam:
         self.padded_numel = self.shard_numel * comm.world_size
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
-        self.gathered = True
-        self.resident = False
+        self.state = FlatState.UNSHARDED  # the parameters' own values until the engine shards them
+
+    @property
+    def unsharded(self) -> bool:
+        """The full buffer holds the weights (unsharded or resident)."""
+        return self.state is not FlatState.SHARDED
+
+    @property
+    def resident(self) -> bool:
+        return self.state is FlatState.RESIDENT
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -91,36 +106,36 @@ class FlatParam:
         for slot, p in zip(self.slots, self.params, strict=True):
             p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    def bind_resident(self, shard: torch.Tensor) -> None:
-        """World size 1: make `shard` (this rank's whole flat, in the compute dtype, on the compute device)
-        the parameters' permanent storage; from then on the flat is always gathered."""
-        if self.comm.distributed or shard.numel() != self.padded_numel or shard.dtype != self.full.dtype:
-            raise ValueError(f"{self.name}: only a whole, compute-dtype shard of a one-rank flat can be resident")
-        self.full = shard
+    def make_resident(self, full: torch.Tensor) -> None:
+        """Make `full` (the whole flat in the compute dtype, memory the compute reads, owned by the shard
+        store) the parameters' permanent storage: from now on the flat is always unsharded."""
+        if full.numel() != self.padded_numel or full.dtype != self.full.dtype:
+            raise ValueError(f"{self.name}: a resident buffer must hold the whole flat in {self.full.dtype}")
+        self.full = full
         self.install_views()
-        self.gathered = True
-        self.resident = True
+        self.state = FlatState.RESIDENT
 
-    def alloc(self) -> None:
-        if not self.gathered:
+    def unshard(self, shard: torch.Tensor, async_op: bool = False):
+        """Allocate the full buffer and all-gather every rank's shard into it (one rank: a copy); returns the
+        collective's work handle when `async_op` (None when it completed already)."""
+        if self.state is FlatState.RESIDENT:
+            raise RuntimeError(f"{self.name} is resident: there is nothing to gather")
+        if self.state is FlatState.SHARDED:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
             self.install_views()
-            self.gathered = True
-
-    def gather_from(self, shard: torch.Tensor, async_op: bool = False):
-        """Allocate the full buffer and all-gather every rank's shard into it; returns a work handle if async."""
-        self.alloc()
+            self.state = FlatState.UNSHARDED
         with torch.no_grad():
             return self.comm.all_gather(self.full, shard, f"parameters of {self.name}", async_op=async_op)
 
-    def release(self) -> None:
-        """Free the full buffer's memory; parameters become empty tensors until the next gather."""
-        if not self.gathered or self.resident:
+    def reshard(self) -> None:
+        """Free the full buffer's memory; parameters become empty tensors until the next unshard. A resident
+        flat keeps its buffer."""
+        if self.state is not FlatState.UNSHARDED:
             return
         for p in self.params:
             p.data = self._empty
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        self.state = FlatState.SHARDED
 
     def flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none), `out`

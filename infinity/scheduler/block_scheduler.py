@@ -1,27 +1,35 @@
-"""BlockScheduler: module hooks that gather each block just in time, prefetch ahead, and release after.
+"""BlockScheduler: module hooks that gather each block just in time, prefetch ahead, and reshard after.
 
 Forward: a block is gathered in its pre-hook (waiting for its prefetch if one was issued), and the
 next blocks of the recorded order are prefetched up to `prefetch_bucket_elems`, never past
-`max_live_elems` gathered. After its forward the block is released unless it runs again within
+`max_live_elems` gathered. After its forward the block is resharded unless it runs again within
 `max_reuse_distance_elems`. Backward: a hook on the block's outputs re-gathers it before its
 backward; once all its gradients have accumulated they go to `on_block_grads` and the block is
-released. The root's and persistent parameters stay gathered through forward and backward.
+resharded. The root's and persistent parameters stay gathered through forward and backward.
 
-With a profiler attached (`prof`, None when off), it records when compute reaches each block and
-whether it was ready, stalls and what they waited on, the all-gathers, and each block's compute span.
+Gathers are issued in one order on every rank (collectives must match): blocks enter a queue when
+their shards start to be fetched, and a block's all-gathers are issued only after those of every
+block queued before it, as soon as its own shards have arrived. Before any other collective (a
+gradient reduction) the queue is flushed, so that point of the program orders them on every rank.
+
+It records into `prof` (a `TraceWriter`, or a `NullTraceWriter` when profiling is off) when compute
+reaches each block and whether it was ready, stalls and what they waited on, the all-gathers (with
+several ranks), and each block's compute span.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from infinity.partition.sharded_block import ShardedBlock, ShardSource
+from infinity.partition.sharded_block import BlockState, ShardedBlock, ShardSource
+from infinity.profiler.null_writer import NullTraceWriter
 from infinity.scheduler.trace import ExecutionTrace
 
 
@@ -45,7 +53,12 @@ class BlockScheduler:
         prefetch_bucket_elems: int,
         max_live_elems: int,
         max_reuse_distance_elems: int,
+        gather_waits_on: str = "all-gather",
+        collectives: bool = True,
+        prof=None,
     ) -> None:
+        """`gather_waits_on` labels the stall of a gather nobody prefetched (what it waits for first);
+        `collectives` is False where gathers are local copies (one rank): no all-gather is recorded."""
         self.blocks = blocks
         self.root = root
         self.persistent = persistent
@@ -61,8 +74,11 @@ class BlockScheduler:
         self.prefetches_issued = 0
         self.uses = 0  # times compute reached a block
         self.prefetch_hits = 0  # ... and found its weights already there
-        self.prof = None  # a TraceWriter when profiling; every use is guarded by `is not None`
-        self.gather_waits_on = "all-gather"  # what an unprefetched gather waits for first ("nvme->device", ...)
+        self.prof = prof if prof is not None else NullTraceWriter()
+        self.gather_waits_on = gather_waits_on
+        self.collectives = collectives
+        self._gather_queue: deque[ShardedBlock] = deque()  # FETCHING blocks, in the order they started
+        self.gathered_high_water_bytes = 0  # the most gathered (or being gathered) weights held at once
         self._open_span: tuple[str, int] | None = None
         self._position: dict[int, int | None] = {}
         self._handles = [
@@ -75,77 +91,133 @@ class BlockScheduler:
             for p in block.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(block)))
 
+    @staticmethod
+    def gathered_bytes_bound(full_block_elems: int, prefetch_bucket_elems: int, itemsize: int) -> int:
+        """Gathered weights held at most: the block computing, one being reduced, and the prefetch bucket
+        (at least the next block: a non-zero bucket always takes it)."""
+        prefetched = max(full_block_elems, prefetch_bucket_elems) if prefetch_bucket_elems else 0
+        return (2 * full_block_elems + prefetched) * itemsize
+
+    @staticmethod
+    def working_set_bytes(
+        full_block_elems: int, prefetch_bucket_elems: int, itemsize: int, optimizer_window: int
+    ) -> int:
+        """Memory the compute holds at most: gathered weights (`gathered_bytes_bound`) and fp32 gradients
+        (autograd's, the flat copy, and those waiting for the optimizer: half its window)."""
+        grads = (2 + optimizer_window // 2) * full_block_elems * 4
+        return BlockScheduler.gathered_bytes_bound(full_block_elems, prefetch_bucket_elems, itemsize) + grads
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _live_elems(self) -> int:
-        return sum(b.numel for b in self.blocks if (b.gathered or b.in_flight) and not b.resident)
+        return sum(b.numel for b in self.blocks if b.holds_memory)
+
+    def _start(self, block: ShardedBlock) -> None:
+        block.start_unshard(self.source)
+        self._gather_queue.append(block)
+        self._note_gathered()
+
+    def _note_gathered(self) -> None:
+        held = sum(b.gathered_bytes for b in self.blocks if b.holds_memory)
+        self.gathered_high_water_bytes = max(self.gathered_high_water_bytes, held)
+
+    def _issue_arrived(self) -> None:
+        """Issue the gathers of queued blocks whose shards have arrived, in queue order."""
+        queue = self._gather_queue
+        while queue and (queue[0].state is not BlockState.FETCHING or queue[0].fetched()):
+            head = queue.popleft()
+            if head.state is BlockState.FETCHING:
+                head.issue_gathers(self.source)
+
+    def _issue_all(self) -> None:
+        """Issue every queued gather (waiting for their shards). Called before any other collective: each
+        rank issues a gather when its own shard arrives, so only a flush at the same point of the program
+        on every rank keeps all collectives in one order (a reduce-scatter overtaking an all-gather on
+        one rank but not another would deadlock them)."""
+        while self._gather_queue:
+            head = self._gather_queue.popleft()
+            if head.state is BlockState.FETCHING:
+                head.issue_gathers(self.source)
+
+    def _issue_through(self, block: ShardedBlock) -> None:
+        """Issue the gathers queued before `block` (waiting for their shards), so `block`'s come next."""
+        queue = self._gather_queue
+        while queue:
+            head = queue.popleft()
+            if head.state is BlockState.FETCHING:
+                head.issue_gathers(self.source)
+            if head is block:
+                return
 
     def _ensure_gathered(self, block: ShardedBlock) -> None:
         prof = self.prof
         if block.index >= 0:
-            ready = block.gathered or block.ready()
+            ready = block.ready()
             self.uses += 1
             self.prefetch_hits += ready
-            if prof is not None:
-                prof.use(block.name, bool(ready))
-        if block.gathered:
+            prof.use(block.name, bool(ready))
+        if block.unsharded:
             return
         in_flight = block.in_flight
+        # what the wait is for: the collective once issued (several ranks), else the shard's fetch
+        waited_on = "all-gather" if block.state is BlockState.GATHERING and self.collectives else self.gather_waits_on
         start = time.perf_counter_ns()
         issued = block.issued_ns if in_flight else start
-        block.wait_gather(self.source)
+        self._issue_through(block)
+        block.wait_unshard(self.source)
+        self._note_gathered()
         end = time.perf_counter_ns()
         self.stall_s += (end - start) / 1e9
-        if prof is not None:
-            prof.stall(block.name, start, end, "all-gather" if in_flight else self.gather_waits_on)
+        prof.stall(block.name, start, end, waited_on)
+        if self.collectives:
             prof.collective("all-gather", block.name, block.gathered_bytes, issued, end)
 
     def _open(self, block: ShardedBlock) -> None:
         """A block's compute starts now: the previous one's span (if still open) ends here."""
-        if self.prof is not None:
-            self._close()
-            self._open_span = (block.name, time.perf_counter_ns())
+        self._close()
+        self._open_span = (block.name, time.perf_counter_ns())
 
     def _close(self) -> None:
-        if self.prof is not None and self._open_span is not None:
+        if self._open_span is not None:
             name, start = self._open_span
             self.prof.compute(name, start, time.perf_counter_ns())
             self._open_span = None
 
     def _prefetch(self, upcoming: list[int]) -> None:
-        """All-gather the next blocks within the bucket; read the blocks beyond it ahead into host memory.
+        """Gather the next blocks within the bucket; read the blocks beyond it ahead into host memory.
 
-        Which blocks are all-gathered depends only on the trace and the limits, never on timing (such
-        as whether a read has finished), so every rank issues its collectives in the same order.
+        Which blocks are gathered depends only on the trace and the limits, never on timing (such as
+        whether a read has finished), so every rank queues its gathers in the same order.
         """
         budget = self.prefetch_bucket_elems
         live = self._live_elems()
         beyond: list[int] = []
         for position, index in enumerate(upcoming):
             block = self.blocks[index]
-            if block.gathered or block.in_flight:
+            if block.state is not BlockState.SHARDED:
                 continue
             # as in DeepSpeed, a non-zero bucket always takes the next block, even one larger than the bucket
             first = 0 < budget == self.prefetch_bucket_elems
             if (block.numel > budget and not first) or live + block.numel > self.max_live_elems:
                 beyond = upcoming[position:]
                 break
-            block.start_gather(self.source)
+            self._start(block)
             self.prefetches_issued += 1
-            if self.prof is not None:
-                self.prof.prefetch(block.name)
+            self.prof.prefetch(block.name)
             budget = max(0, budget - block.numel)
             live += block.numel
-        ahead = dict.fromkeys(i for i in beyond if not (self.blocks[i].gathered or self.blocks[i].in_flight))
+        self._issue_arrived()
+        ahead = dict.fromkeys(i for i in beyond if self.blocks[i].state is BlockState.SHARDED)
         if ahead:
-            self.source.prefetch_to_host([f for i in ahead for f in self.blocks[i].flats])
+            self.source.read_ahead([f for i in ahead for f in self.blocks[i].flats])
 
-    def release_all(self) -> None:
-        """Release every gathered block but the persistent one (end of a step or of inference)."""
+    def reshard_all(self) -> None:
+        """Reshard every gathered block but the persistent one (end of a step or of inference)."""
         for block in [*self.blocks, self.root]:
             if block.in_flight:
-                block.wait_gather(self.source)
-            block.release()
+                self._issue_through(block)
+                block.wait_unshard(self.source)
+            block.reshard()
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -163,7 +235,7 @@ class BlockScheduler:
         self.forward_trace.end_pass()
         self.phase = Phase.IDLE
         if not torch.is_grad_enabled():
-            self.release_all()
+            self.reshard_all()
 
     def _pre_forward_hook(self, block: ShardedBlock):
         def hook(module: nn.Module, args) -> None:
@@ -194,7 +266,7 @@ class BlockScheduler:
                 distance = self.forward_trace.next_use_distance(position, block.index, lambda i: self.blocks[i].numel)
                 if distance is not None and distance <= self.max_reuse_distance_elems:
                     return output
-            block.release()
+            block.reshard()
             return output
 
         return hook
@@ -224,8 +296,9 @@ class BlockScheduler:
             block.grads_ready += 1
             if block.grads_ready == len(block.trainable):
                 block.grads_ready = 0
+                self._issue_all()  # the reduction's collectives come after every gather issued so far
                 self.on_block_grads(block)
-                block.release()
+                block.reshard()
 
         return hook
 
@@ -233,11 +306,12 @@ class BlockScheduler:
         """Hand over the gradients not yet reduced (root, persistent, unused parameters); release blocks."""
         self._close()
         self.backward_trace.end_pass()
+        self._issue_all()
         for block in [*self.blocks, self.root, self.persistent]:
             if block.grads_ready or block in (self.root, self.persistent):
                 block.grads_ready = 0
                 self.on_block_grads(block)
-        self.release_all()
+        self.reshard_all()
         self.phase = Phase.IDLE
 
     def remove_hooks(self) -> None:

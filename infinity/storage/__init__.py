@@ -10,7 +10,7 @@ from infinity.storage.device_memory import DeviceMemory
 from infinity.storage.errors import BudgetError, StorageError, SwapFileError
 from infinity.storage.moves import FetchHandle, MoveHandle, Tier
 from infinity.storage.nvme_file import NvmeFile
-from infinity.storage.recorder import ListRecorder, MoveEvent, Recorder
+from infinity.storage.recorder import ListRecorder, MoveCounter, MoveEvent, Recorder
 from infinity.storage.tier_store import TierBudgets, TierStore
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "FetchHandle",
     "IoHandle",
     "ListRecorder",
+    "MoveCounter",
     "MoveEvent",
     "MoveHandle",
     "NvmeFile",

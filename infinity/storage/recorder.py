@@ -43,3 +43,24 @@ class ListRecorder:
         with self._lock:
             events, self.events = self.events, []
         return events
+
+
+class MoveCounter:
+    """Counts the bytes of every move per "src->dst" tier pair (the moves that happened, cache hits none),
+    and passes each event on to `forward` (the profiler's writer, or anything with `record`). Thread-safe."""
+
+    def __init__(self, forward: Recorder | None = None) -> None:
+        self.bytes: dict[str, int] = {}
+        self._forward = forward
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes.clear()
+
+    def record(self, event: MoveEvent) -> None:
+        pair = f"{event.src}->{event.dst}"
+        with self._lock:
+            self.bytes[pair] = self.bytes.get(pair, 0) + event.nbytes
+        if self._forward is not None:
+            self._forward.record(event)

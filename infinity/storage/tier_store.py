@@ -282,6 +282,12 @@ class TierStore(TierMover):
             return self._file.high_water_bytes if self._file is not None else 0
         return self._mem[tier].high_water_bytes
 
+    def reset_high_water(self, tier: Tier | str) -> None:
+        """Start `high_water_bytes(tier)` afresh from the bytes held now (memory tiers)."""
+        tier = Tier(tier)
+        if tier is not Tier.NVME:
+            self._mem[tier].reset_high_water()
+
     def stats(self) -> dict[str, dict[str, int | None]]:
         """Per tier: live bytes, high-water mark and budget."""
         budgets = {

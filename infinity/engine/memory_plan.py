@@ -1,0 +1,88 @@
+"""The memory plan of a run: byte budgets per tier, summed from what each pipeline declares it holds.
+
+Pipelines state their own bounds: `NativeStepper.host_bytes` (the optimizer's window),
+`BlockScheduler.working_set_bytes` (gathered blocks and their gradients, when the compute reads host
+memory), `ShardStore.gather_host_bytes` and `ShardStore.grad_accumulation_bytes` (parameter shards
+in flight, the NVMe gradient read-modify-write). The plan adds them up, and gives the parameters'
+read-ahead what is left, so neither the optimizer's reads nor the parameters' evict the other's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from infinity.config import ConfigError, ZeroConfig
+from infinity.optim.steppers import NativeStepper
+from infinity.partition import BlockPlan
+from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
+from infinity.scheduler import BlockScheduler
+from infinity.shards.policy import Placement
+from infinity.shards.store import ShardStore
+from infinity.storage import Tier, TierBudgets
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budgets: TierBudgets
+    optimizer_window: int  # shards whose optimizer state the native stepper holds at once
+    param_read_ahead_bytes: int | None  # NVMe parameter shards read ahead into host memory; None: no cap
+
+
+def largest_shard_elems(plan: BlockPlan, world_size: int) -> tuple[int, int, int]:
+    """(the largest block's shard in elements, padding allowance included; all parameters' elements; the
+    elements of the root's and persistent parameters, gathered for a whole pass)."""
+    always = [sum(p.numel() for _, p, _ in uses) for uses in (plan.root, plan.persistent)]
+    sizes = always + [sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks]
+    return math.ceil(max(sizes, default=0) / world_size) + SHARD_ALIGN_ELEMS, sum(sizes), sum(always)
+
+
+def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryPlan:
+    """Byte budgets per tier, the optimizer's window and the parameters' read-ahead.
+
+    Host memory is bounded whenever no shard lives there but some live on NVMe. Without an explicit
+    `host_budget_bytes` the bound is the sum of the pipelines' needs, read-ahead sized by
+    `offload_param.buffer_count` x `buffer_size`; with one, the optimizer's window shrinks to fit what
+    the others leave, and read-ahead gets the rest. With the compute in host memory (a CPU-only machine
+    without a device budget) an explicit host budget also covers the compute's working set.
+    """
+    world, itemsize = placement.world_size, placement.compute_dtype.itemsize
+    largest, total, always_gathered = largest_shard_elems(plan, world)
+    param_on_nvme = placement.param_home is Tier.NVME
+    optim_on_nvme = placement.optim_home is Tier.NVME
+    # where gathers read host copies, the prefetch bucket's shards are held from their fetch to their gather
+    held = math.ceil(min(z.stage3_prefetch_bucket_size, total) / world) if placement.compute_in_host_memory else 0
+    param_min = ShardStore.gather_host_bytes(largest, held, itemsize) if param_on_nvme else 0
+    grad_rmw = ShardStore.grad_accumulation_bytes(largest) if optim_on_nvme else 0
+    shard_state = NativeStepper.shard_state_bytes(largest)
+    window = z.offload_optimizer.buffer_count
+    host = z.host_budget_bytes
+    bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
+    read_ahead = None
+    if host is None and bounded:
+        host = grad_rmw
+        if param_on_nvme:
+            elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
+            read_ahead = max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
+            host += read_ahead
+        if optim_on_nvme:
+            host += NativeStepper.host_bytes(window, largest)
+    elif host is not None and bounded:
+        working = 0
+        if placement.compute_in_host_memory:
+            bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+            working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
+            working += always_gathered * itemsize
+        room = host - working - param_min - grad_rmw
+        if optim_on_nvme:
+            window = min(window, room // shard_state)
+        if room < 0 or window < 1:
+            need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
+            raise ConfigError(
+                f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
+                f"elements) needs at least {need} bytes of host memory to stream through: raise the budget"
+            )
+        host -= working
+        if param_on_nvme:
+            read_ahead = host - grad_rmw - (window * shard_state if optim_on_nvme else 0)
+    return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)

@@ -1,0 +1,190 @@
+"""Steppers: the pipelines that run one Adam step over the shards the shard store lends.
+
+`TorchFusedStepper`: state in device-tier memory, stepped by torch's fused AdamW in one call.
+`NativeStepper`: state in host memory or on NVMe, stepped shard by shard by the native CPU Adam,
+which also writes the new compute-dtype weights (the fused copy-out). From NVMe it streams: the next
+shards' state is read while one is stepped (read ahead) and written back without waiting (write
+behind). With `arrive` it steps a shard as its final gradient arrives, while backward goes on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from infinity.optim.cpu_adam import adam_step_flat
+from infinity.partition.flat_param import FlatParam
+from infinity.shards.store import LentShard, Returned, ShardStore
+
+Hyper = Callable[[int], dict[str, Any]]  # a param group's lr, betas, eps and weight_decay, by index
+
+
+class Stepper(Protocol):
+    stepped_in_backward: int
+
+    @property
+    def in_progress(self) -> bool:
+        """Some shards of the current step are stepped (or being) already."""
+
+    def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """`flat`'s whole gradient for this step (host fp32): step it now or soon."""
+
+    def step(self, flats: list[FlatParam], grad_scale: float) -> None:
+        """Step every shard of `flats` not stepped on arrival, gradients multiplied by `grad_scale`."""
+
+    def drain(self) -> None:
+        """Finish every write in flight."""
+
+
+class TorchFusedStepper:
+    """torch's fused AdamW over masters, moments and gradients the store keeps in device-tier memory."""
+
+    def __init__(self, shards: ShardStore, hyper: Hyper, adamw_mode: bool) -> None:
+        self.shards = shards
+        self.hyper = hyper
+        self.adamw_mode = adamw_mode
+        self.stepped_in_backward = 0
+        self._lent: dict[FlatParam, LentShard] = {}  # memory homes: lent once, stable tensors for torch
+        self._torch_opt: torch.optim.Optimizer | None = None
+
+    @property
+    def in_progress(self) -> bool:
+        return False
+
+    def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:  # pragma: no cover - the placement never asks
+        raise RuntimeError("the torch stepper steps after backward only")
+
+    def _lend_all(self) -> None:
+        groups: dict[int, list[torch.Tensor]] = {}
+        for flat in self.shards.records:
+            lent = self._lent[flat] = self.shards.lend(flat, with_grad=True)
+            groups.setdefault(flat.group_index, []).append(lent.master)
+        cls = torch.optim.AdamW if self.adamw_mode else torch.optim.Adam
+        self._torch_opt = cls([{"params": ps, "group": i} for i, ps in sorted(groups.items())], fused=True)
+        for lent in self._lent.values():  # torch steps the store's moment buffers in place
+            step = torch.zeros((), dtype=torch.float32, device=lent.master.device)
+            self._torch_opt.state[lent.master] = {"step": step, "exp_avg": lent.exp_avg, "exp_avg_sq": lent.exp_avg_sq}
+
+    def step(self, flats: list[FlatParam], grad_scale: float) -> None:
+        if self._torch_opt is None:
+            self._lend_all()
+        active = [self._lent[f] for f in flats]
+        for lent in active:
+            if grad_scale != 1.0:
+                lent.grad.mul_(grad_scale)
+            lent.master.grad = lent.grad
+            # the store owns step counts (checkpoints restore them); torch adds one as it steps
+            self._torch_opt.state[lent.master]["step"].fill_(self.shards.records[lent.flat].step)
+        for group in self._torch_opt.param_groups:
+            hyper = self.hyper(group["group"])
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                group[key] = hyper[key]
+        self._torch_opt.step()
+        for lent in active:
+            self.shards.records[lent.flat].step += 1
+            lent.master.grad = None
+            self.shards.give_back(lent, param_written=False).finish()
+
+    def drain(self) -> None:
+        pass
+
+
+class NativeStepper:
+    """The native CPU Adam over lent shards, streamed through host memory in a window.
+
+    Memory bound (host): `host_bytes(window, shard_elems)`. At most `window` shards' state is held at
+    once, read ahead or being written back (reads for shards beyond it wait until earlier writes are
+    done), whatever the store's budget; one more shard's worth covers the store's staging.
+    """
+
+    def __init__(self, shards: ShardStore, hyper: Hyper, adamw_mode: bool, window: int) -> None:
+        self.shards = shards
+        self.hyper = hyper
+        self.adamw_mode = adamw_mode
+        self.window = max(1, window)
+        self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
+        self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
+        self._returning: deque[Returned] = deque()  # stepped shards whose writes are in flight
+        self._stepped: set[FlatParam] = set()  # stepped this step
+
+    @staticmethod
+    def shard_state_bytes(shard_elems: int) -> int:
+        """One shard's fp32 master, moments and gradient in host memory."""
+        return 16 * shard_elems
+
+    @staticmethod
+    def host_bytes(window: int, shard_elems: int) -> int:
+        """The host memory this pipeline holds at most: `window` + 1 shards' state."""
+        return (max(1, window) + 1) * NativeStepper.shard_state_bytes(shard_elems)
+
+    @property
+    def in_progress(self) -> bool:
+        return bool(self._arrived or self._returning or self._stepped)
+
+    def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """Read the shard's state ahead now; step the shards that arrived a few blocks ago."""
+        self.shards.prefetch_state([flat], with_grad=False)
+        self._arrived.append((flat, grad))
+        # Half the window waits for its reads (they had a block of backward to arrive); the other half
+        # of the window's host memory holds the stepped shards whose writes are still in flight.
+        while len(self._arrived) > max(1, self.window // 2):
+            self._step_one(*self._arrived.popleft(), grad_scale=1.0)
+            self.stepped_in_backward += 1
+
+    def step(self, flats: list[FlatParam], grad_scale: float) -> None:
+        self.shards.finish_grad_writes()
+        while self._arrived:  # stepped as their gradients arrived, but for the last few
+            self._step_one(*self._arrived.popleft(), grad_scale=grad_scale)
+        todo = [f for f in flats if f not in self._stepped]
+        for i, flat in enumerate(todo):
+            # read ahead: the next shards' state comes in while this one is stepped, in what the window
+            # leaves beside the shards still being written back
+            room = max(1, self.window - len(self._returning))
+            self.shards.prefetch_state(todo[i : i + room], with_grad=True)
+            self._step_one(flat, None, grad_scale)
+        self.drain()
+        self._stepped.clear()
+
+    def _step_one(self, flat: FlatParam, grad: torch.Tensor | None, grad_scale: float) -> None:
+        lent = self.shards.lend(flat, with_grad=grad is None)
+        try:
+            record = self.shards.records[flat]
+            record.step += 1
+            self._stepped.add(flat)
+            written = self._adam(lent, lent.grad if grad is None else grad, record.step, grad_scale)
+        except BaseException:
+            Returned(self.shards, lent, []).finish()
+            raise
+        self._returning.append(self.shards.give_back(lent, param_written=written))
+        # the shards read ahead on arrival share the window's host memory with those being written
+        while len(self._returning) >= max(1, self.window - len(self._arrived)):
+            self._returning.popleft().finish()
+
+    def _adam(self, lent: LentShard, grad: torch.Tensor, step: int, grad_scale: float) -> bool:
+        """One native pass; returns whether it also wrote the new compute-dtype weights into `param_out`."""
+        group = self.hyper(lent.flat.group_index)
+        out = lent.param_out
+        fused = out is not None and out.dtype in (torch.bfloat16, torch.float16) and out.device.type == "cpu"
+        adam_step_flat(
+            lent.master,
+            grad,
+            lent.exp_avg,
+            lent.exp_avg_sq,
+            step=step,
+            lr=group["lr"],
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw_mode=self.adamw_mode,
+            out_copy=out if fused else None,
+            grad_scale=grad_scale,
+        )
+        return fused
+
+    def drain(self) -> None:
+        while self._returning:
+            self._returning.popleft().finish()

@@ -1,0 +1,22 @@
+"""The shard store layer: every byte of each flat parameter on this rank, and the policy placing them.
+
+`Placement` (policy.py) says where each kind of byte lives, decided once; `ShardStore` (store.py)
+owns them under one key scheme on the storage layer's tiers and gives the few verbs everyone
+needs; `registry` maps parameters to their flat without back-pointers on them.
+"""
+
+from infinity.shards.policy import MallocTuning, Placement, StepperKind, offload_tier, resolve_placement
+from infinity.shards.store import LentShard, Returned, ShardKind, ShardRecord, ShardStore
+
+__all__ = [
+    "LentShard",
+    "MallocTuning",
+    "Placement",
+    "Returned",
+    "ShardKind",
+    "ShardRecord",
+    "ShardStore",
+    "StepperKind",
+    "offload_tier",
+    "resolve_placement",
+]

@@ -1,0 +1,439 @@
+"""ShardStore: the one owner of every byte of each flat parameter on this rank.
+
+Per trainable flat: the compute-dtype parameter shard, the fp32 master, the Adam moments and the
+gradient accumulator, each a key `(flat name, kind)` in the `TierStore` on the tier the `Placement`
+says (when the master is the parameter shard, both kinds name one key). Frozen flats have only their
+parameter shard. With resident parameters the parameter key holds the whole flat and the parameters
+are views of it; this rank's shard is its range of that.
+
+Everyone else reaches those bytes through a few verbs: `read` a shard (host copy), `assign` new
+weights (and optionally moments), `gather_full` a flat, `fetch_param` for a gather, `lend` the
+buffers for one in-place optimizer step and `give_back` them. Gradients enter through
+`accumulate_grad` (or `final_grad` when the step runs as they arrive).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.comm import CommGroup
+from infinity.partition.flat_param import FlatParam
+from infinity.shards import registry
+from infinity.shards.policy import Placement
+from infinity.storage import FetchHandle, MoveHandle, Tier, TierStore, aligned_empty
+
+
+class ShardKind(str, enum.Enum):
+    PARAM = "param"  # compute dtype; the whole flat when parameters are resident
+    MASTER = "master"  # fp32 weights the optimizer updates
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    GRAD = "grad"  # fp32 sum of this step's micro-batch gradients
+
+
+OPTIM_KINDS = (ShardKind.MASTER, ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ)
+
+
+@dataclass
+class ShardRecord:
+    """What the store knows of one trainable shard beyond its bytes."""
+
+    step: int = 0  # Adam steps taken
+    has_grad: bool = False  # the accumulator holds this step's gradient sum
+    grad_norm_sq: float | None = None  # of the final gradient, once known (placements that need norms)
+
+
+@dataclass
+class LentShard:
+    """One shard's optimizer buffers, lent for one in-place step (`ShardStore.lend`).
+
+    `param_out` is where a step writes the new compute-dtype weights (the fused copy-out), or None when
+    the master is the parameter shard itself."""
+
+    flat: FlatParam
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor | None
+    param_out: torch.Tensor | None
+    fetched: list[Hashable] = field(default_factory=list)  # keys whose host copies are held
+
+
+class Returned:
+    """A lent shard given back: its writes in flight; `finish()` waits for them and frees the buffers."""
+
+    def __init__(self, store: ShardStore, lent: LentShard, writes: list[MoveHandle]) -> None:
+        self._store = store
+        self._lent = lent
+        self._writes = writes
+
+    def finish(self) -> None:
+        try:
+            for handle in self._writes:
+                handle.wait()
+        finally:
+            for key in self._lent.fetched:
+                self._store.tiers.release(key, Tier.HOST)
+                self._store.tiers.evict(key)
+            self._lent.fetched = []
+
+
+class ShardStore:
+    """This rank's shards of every flat, on the tiers `placement` names; see the module docstring."""
+
+    def __init__(
+        self,
+        tiers: TierStore,
+        placement: Placement,
+        comm: CommGroup,
+        read_ahead_bytes: int | None = None,
+        grad_writes_in_flight: int = 2,
+    ) -> None:
+        self.tiers = tiers
+        self.placement = placement
+        self.comm = comm
+        self.read_ahead_bytes = read_ahead_bytes  # NVMe parameter shards read ahead into host memory; None: no cap
+        self.grad_writes_in_flight = max(1, grad_writes_in_flight)
+        self.flats: list[FlatParam] = []  # every flat, in the order added
+        self.records: dict[FlatParam, ShardRecord] = {}  # the trainable ones
+        self._views: dict[Hashable, torch.Tensor] = {}  # home copies in memory, by key
+        self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
+        self.grad_bytes_to_host = 0  # gradient bytes copied from device memory into the host accumulators
+        self.param_bytes_fetched = 0  # parameter shard bytes gathers asked to move from their home tier
+
+    # -- declared memory bounds (the memory plan sums them) ----------------------------------------
+
+    @staticmethod
+    def gather_host_bytes(shard_elems: int, held_elems: int, itemsize: int) -> int:
+        """Host memory for NVMe parameter shards in flight: one being gathered, one being written, and the
+        `held_elems` fetched ahead and held until their gather (where gathers read host copies)."""
+        return (held_elems + 2 * shard_elems) * itemsize
+
+    @staticmethod
+    def grad_accumulation_bytes(shard_elems: int) -> int:
+        """Host memory for adding a micro-batch's gradient into an accumulator on NVMe (one shard, fp32)."""
+        return 4 * shard_elems
+
+    # -- keys and views ---------------------------------------------------------------------------
+
+    def key(self, flat: FlatParam, kind: ShardKind) -> tuple[str, str]:
+        """The store key of `flat`'s `kind`; the flat's name comes first (the profiler names blocks by it)."""
+        if kind is ShardKind.MASTER and self.placement.master_is_param:
+            kind = ShardKind.PARAM
+        return (flat.name, kind.value)
+
+    def _home(self, kind: ShardKind) -> Tier:
+        return self.placement.param_home if kind is ShardKind.PARAM else self.placement.optim_home
+
+    def shard_view(self, flat: FlatParam, kind: ShardKind) -> torch.Tensor | None:
+        """This rank's shard of `kind` where it lives, when that is memory (updated in place), else None."""
+        view = self._views.get(self.key(flat, kind))
+        if view is not None and view.numel() != flat.shard_numel:  # a resident flat: this rank's range
+            start, end = flat.shard_range
+            view = view[start:end]
+        return view
+
+    def _put(self, flat: FlatParam, kind: ShardKind, value: torch.Tensor) -> None:
+        key, home = self.key(flat, kind), self._home(kind)
+        self.tiers.put(key, value.contiguous(), home).wait()
+        if home is not Tier.NVME:  # home copies in memory are permanent: keep a view of them
+            self._views[key] = self.tiers.fetch(key, home).wait()
+            self.tiers.release(key, home)
+
+    # -- ownership --------------------------------------------------------------------------------
+
+    def add(self, flat: FlatParam, full32: torch.Tensor) -> None:
+        """Take over `flat`'s bytes from its initial fp32 values (identical on every rank): the parameter
+        shard (the whole flat when resident), and for a trainable flat its master and zero moments."""
+        p = self.placement
+        start, end = flat.shard_range
+        param = full32 if p.params_resident else full32[start:end]
+        self._put(flat, ShardKind.PARAM, param.to(p.compute_dtype))
+        if flat.requires_grad:
+            self.records[flat] = ShardRecord()
+            if not p.master_is_param:
+                self._put(flat, ShardKind.MASTER, full32[start:end])
+            zeros = torch.zeros(flat.shard_numel, dtype=torch.float32)
+            for kind in (ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ):
+                self._put(flat, kind, zeros)
+            if p.optim_home is not Tier.NVME:  # on NVMe the slot is made by the first gradient written
+                self._put(flat, ShardKind.GRAD, zeros)
+        if p.params_resident:
+            flat.make_resident(self._views[self.key(flat, ShardKind.PARAM)])
+        self.flats.append(flat)
+        registry.register(flat, self)
+
+    def close(self) -> None:
+        """Forget every flat and free the tiers (the NVMe swap file is removed)."""
+        self.finish_grad_writes()
+        registry.forget(self)
+        self.tiers.close()
+
+    # -- reading and assigning --------------------------------------------------------------------
+
+    def read(self, flat: FlatParam, kind: ShardKind) -> torch.Tensor:
+        """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 otherwise)."""
+        view = self.shard_view(flat, kind)
+        if view is not None:
+            return view.detach().to("cpu", copy=True)
+        key = self.key(flat, kind)
+        try:
+            return self.tiers.fetch(key, Tier.HOST).wait().clone()
+        finally:
+            self.tiers.release(key, Tier.HOST)
+
+    def read_weights(self, flat: FlatParam) -> torch.Tensor:
+        """This rank's shard of the weights in fp32: the master when trainable, else the parameter shard."""
+        if flat.requires_grad:
+            return self.read(flat, ShardKind.MASTER)
+        return self.read(flat, ShardKind.PARAM).float()
+
+    def gather_full(self, flat: FlatParam, fp32: bool = True) -> torch.Tensor:
+        """The whole flat on the compute device, the same on every rank (a collective: every rank calls it):
+        fp32 weights (masters where trainable), or with `fp32` False the compute-dtype parameters."""
+        shard = self.read_weights(flat) if fp32 else self.read(flat, ShardKind.PARAM)
+        shard = shard.to(self.placement.compute_device)
+        full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard, f"full weights of {flat.name}")
+        return full
+
+    def assign(
+        self,
+        flat: FlatParam,
+        master32: torch.Tensor,
+        moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """New fp32 weights for this rank's shard of `flat` (optionally its Adam moments and step count):
+        the master takes them, the parameter shard their compute-dtype cast. A resident flat's other
+        ranks' ranges and a gathered copy are the caller's to refresh (`sync_resident`, `reshard`)."""
+        master32 = master32.detach().to("cpu", torch.float32).reshape(-1)
+        if flat.requires_grad and not self.placement.master_is_param:
+            self._write(flat, ShardKind.MASTER, master32)
+        self._write(flat, ShardKind.PARAM, master32.to(self.placement.compute_dtype))
+        if moments is not None:
+            for kind, value in zip((ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ), moments, strict=True):
+                self._write(flat, kind, value.detach().to("cpu", torch.float32).reshape(-1))
+        if step is not None:
+            self.records[flat].step = step
+
+    def assign_param(self, flat: FlatParam, shard: torch.Tensor) -> None:
+        """New compute-dtype weights for a frozen flat's shard."""
+        self._write(flat, ShardKind.PARAM, shard.detach().to("cpu", self.placement.compute_dtype).reshape(-1))
+
+    def sync_resident(self, flat: FlatParam) -> None:
+        """After `assign` on every rank: all-gather a resident flat's ranges so each rank holds all of them."""
+        if flat.resident and self.comm.world_size > 1:
+            view = self.shard_view(flat, ShardKind.PARAM)
+            self.comm.all_gather(flat.full, view.clone(), f"assigned weights of {flat.name}")
+
+    def _write(self, flat: FlatParam, kind: ShardKind, value: torch.Tensor) -> None:
+        view = self.shard_view(flat, kind)
+        if view is not None:
+            with torch.no_grad():
+                view.copy_(value)
+            self.tiers.evict(self.key(flat, kind))  # cached copies above the home are stale now
+        else:
+            self.tiers.write(self.key(flat, kind), value.contiguous()).wait()
+
+    # -- the compute's path: parameter shards for gathers -------------------------------------------
+
+    def fetch_param(self, flat: FlatParam) -> FetchHandle:
+        """Start bringing this rank's parameter shard where gathers read it; `release_param` when gathered."""
+        if self.placement.param_home is not self.placement.gather_from:
+            self.param_bytes_fetched += flat.shard_numel * self.placement.compute_dtype.itemsize
+        return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from)
+
+    def release_param(self, flat: FlatParam) -> None:
+        """The fetched shard was gathered; copies above its home are dropped (memory holds only what is in use)."""
+        key = self.key(flat, ShardKind.PARAM)
+        self.tiers.release(key, self.placement.gather_from)
+        if self.placement.param_home is not Tier.DEVICE:
+            self.tiers.evict(key)
+
+    def read_ahead(self, flats: Iterable[FlatParam]) -> None:
+        """Start reading NVMe parameter shards into host memory, in order, within the read-ahead cap."""
+        if self.placement.param_home is not Tier.NVME:
+            return
+        keys, total = [], 0
+        for flat in flats:
+            total += flat.shard_numel * self.placement.compute_dtype.itemsize
+            if self.read_ahead_bytes is not None and total > self.read_ahead_bytes:
+                break
+            keys.append(self.key(flat, ShardKind.PARAM))
+        self.tiers.prefetch(keys, Tier.HOST)
+
+    # -- gradients --------------------------------------------------------------------------------
+
+    def grad_accumulator(self, flat: FlatParam) -> torch.Tensor | None:
+        """The gradient accumulator where it lives in memory (written into directly), else None."""
+        return self.shard_view(flat, ShardKind.GRAD)
+
+    def grad_written(self, flat: FlatParam, final: bool) -> None:
+        """The caller wrote (or added) this micro-batch's gradient into `grad_accumulator(flat)` itself."""
+        record = self.records[flat]
+        record.has_grad = True
+        if final and self.placement.needs_grad_norm:
+            record.grad_norm_sq = _norm_sq(self.grad_accumulator(flat))
+
+    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
+        """Add one micro-batch's gradient shard (fp32, any device) into the accumulator; `final` marks the
+        last micro-batch before a step."""
+        record = self.records[flat]
+        view = self.grad_accumulator(flat)
+        if view is not None:
+            if grad.device.type == "cuda" and view.device.type == "cpu":
+                self.grad_bytes_to_host += grad.numel() * grad.element_size()
+            grad = grad.to(view.device)
+            if record.has_grad:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+            self.grad_written(flat, final)
+            return
+        grad = self._host_fp32(grad)
+        key = self.key(flat, ShardKind.GRAD)
+        if record.has_grad:
+            held = self.tiers.fetch(key, Tier.HOST).wait()
+            try:
+                held.add_(grad)
+                self.tiers.write(key, held).wait()
+                grad = held
+                if final and self.placement.needs_grad_norm:
+                    record.grad_norm_sq = _norm_sq(held)
+            finally:
+                self.tiers.release(key, Tier.HOST)
+                self.tiers.evict(key)  # one accumulator in host memory at a time (grad_accumulation_bytes)
+            return
+        if final and self.placement.needs_grad_norm:
+            record.grad_norm_sq = _norm_sq(grad)
+        handle = self.tiers.write(key, grad) if key in self.tiers else self.tiers.put(key, grad, Tier.NVME)
+        self._grad_writes.append((handle, grad))  # the store may read `grad` until the write is done
+        while len(self._grad_writes) > self.grad_writes_in_flight:
+            self._grad_writes.popleft()[0].wait()
+        record.has_grad = True
+
+    def final_grad(self, flat: FlatParam, grad: torch.Tensor) -> torch.Tensor:
+        """The step's whole gradient of `flat` (the accumulated earlier micro-batches plus `grad`), in host
+        memory, for a step taken as it arrives; the accumulator is left empty."""
+        record = self.records[flat]
+        grad = self._host_fp32(grad)
+        if record.has_grad:
+            view = self.grad_accumulator(flat)
+            if view is not None:
+                grad = view.to("cpu").add(grad)
+            else:
+                self.finish_grad_writes()
+                key = self.key(flat, ShardKind.GRAD)
+                try:
+                    grad = self.tiers.fetch(key, Tier.HOST).wait().add(grad)
+                finally:
+                    self.tiers.release(key, Tier.HOST)
+                    self.tiers.evict(key)
+        record.has_grad = True  # consumed by the step as it arrives; zero_grad clears it
+        return grad
+
+    def _host_fp32(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.device.type == "cuda":
+            self.grad_bytes_to_host += grad.numel() * grad.element_size()
+        return grad.to("cpu", torch.float32)
+
+    def finish_grad_writes(self) -> None:
+        while self._grad_writes:
+            self._grad_writes.popleft()[0].wait()
+
+    def local_grad_norm_sq(self) -> float:
+        """Sum of squares of this rank's accumulated gradient shards; inf/nan if they overflowed."""
+        self.finish_grad_writes()
+        total = 0.0
+        for flat, record in self.records.items():
+            if not record.has_grad:
+                continue
+            if record.grad_norm_sq is None:  # no final micro-batch reached this flat: norm its sum now
+                record.grad_norm_sq = _norm_sq(self.read(flat, ShardKind.GRAD))
+            total += record.grad_norm_sq
+        return total
+
+    def zero_grad(self) -> None:
+        for record in self.records.values():
+            record.has_grad = False
+            record.grad_norm_sq = None
+
+    # -- the optimizer's path: lend, step in place, give back ---------------------------------------
+
+    def prefetch_state(self, flats: Iterable[FlatParam], with_grad: bool) -> None:
+        """Start reading the optimizer state `lend` will need into host memory (NVMe homes), in order."""
+        if self.placement.optim_home is Tier.NVME:
+            kinds = (*OPTIM_KINDS, ShardKind.GRAD) if with_grad else OPTIM_KINDS
+            self.tiers.prefetch([self.key(f, k) for f in flats for k in kinds], Tier.HOST)
+
+    def lend(self, flat: FlatParam, with_grad: bool) -> LentShard:
+        """`flat`'s master, moments (and gradient sum) for one in-place step: the home buffers in memory, or
+        host copies read from NVMe (waiting for them); give them back with `give_back`."""
+        fetched: list[Hashable] = []
+
+        def buffer(kind: ShardKind) -> torch.Tensor:
+            view = self.shard_view(flat, kind)
+            if view is not None:
+                return view
+            key = self.key(flat, kind)
+            fetched.append(key)
+            return self.tiers.fetch(key, Tier.HOST).wait()
+
+        try:
+            master, exp_avg, exp_avg_sq = (buffer(k) for k in OPTIM_KINDS)
+            grad = buffer(ShardKind.GRAD) if with_grad else None
+        except BaseException:
+            for key in fetched:
+                self.tiers.release(key, Tier.HOST)
+            raise
+        return LentShard(flat, master, exp_avg, exp_avg_sq, grad, self._param_out(flat, master), fetched)
+
+    def _param_out(self, flat: FlatParam, master: torch.Tensor) -> torch.Tensor | None:
+        p = self.placement
+        if p.master_is_param:
+            return None
+        view = self.shard_view(flat, ShardKind.PARAM)
+        if view is not None and view.device == master.device:
+            return view  # the step writes the new weights straight into the parameter shard
+        if p.param_home is Tier.NVME and p.compute_dtype == torch.float32 and p.optim_home is Tier.NVME:
+            return None  # the master's host copy is written as the parameter shard (it outlives the write)
+        out = aligned_empty(flat.shard_numel * p.compute_dtype.itemsize).view(p.compute_dtype)
+        return out if master.device.type == "cpu" else out.to(master.device)
+
+    def give_back(self, lent: LentShard, param_written: bool) -> Returned:
+        """The step on `lent` is done (`param_written`: it also wrote `param_out`): the new weights go to the
+        parameter shard, NVMe state is written home; `finish()` the result before reusing the memory."""
+        flat, p = lent.flat, self.placement
+        writes: list[MoveHandle] = []
+        if p.optim_home is Tier.NVME:
+            writes += [self.tiers.write(self.key(flat, k), t) for k, t in zip(OPTIM_KINDS, _state(lent), strict=True)]
+        param_key = self.key(flat, ShardKind.PARAM)
+        out = lent.param_out
+        view = self.shard_view(flat, ShardKind.PARAM)
+        if out is None and not p.master_is_param:
+            writes.append(self.tiers.write(param_key, lent.master))  # fp32 NVMe: the master's host copy
+        elif out is not None:
+            if not param_written:
+                out.copy_(lent.master)
+            if view is not None and out.data_ptr() != view.data_ptr():
+                view.copy_(out)  # a host-stepped shard whose parameters live in device memory
+            elif view is None:
+                writes.append(self.tiers.write(param_key, out))
+        if p.param_home is not Tier.NVME:
+            self.tiers.evict(param_key)  # copies above the home are stale
+        return Returned(self, lent, writes)
+
+
+def _state(lent: LentShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return lent.master, lent.exp_avg, lent.exp_avg_sq
+
+
+def _norm_sq(t: torch.Tensor) -> float:
+    """Squared L2 norm, each shard's norm taken in fp32 (an fp64 copy would double its memory)."""
+    return float(torch.linalg.vector_norm(t)) ** 2
