@@ -174,3 +174,24 @@ def test_no_recommendation_ever_names_a_pipeline_key(tmp_path: Path) -> None:
         d = _diagnose(tmp_path / name, scenario, ranks=2 if name == "gather_bound" else 1)
         assert not [r for r in d.recommendations if "pipeline" in r.setting], name
         assert not [f for f in d.findings if "pipeline" in f.remedy], name
+
+
+def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path: Path) -> None:
+    """Forward and backward 400 ms each on the GPU, then 8 shards of host Adam, 25 ms each: the optimizer
+    could run beside backward (max(400, 200) ms) leaving one window's half (2 of 8 shards) after it."""
+    config = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu",
+                                                                                             "buffer_count": 4}}}
+    ms = 1_000_000
+    with TraceWriter(tmp_path, 0, 1, {"offload_param": {"device": "cpu"}}, config=config, device="cuda") as w:
+        w.begin_step(0, 0)
+        for phase, start, each in (("forward", 0, 50), ("backward", 400, 50), ("optimizer", 800, 25)):
+            w.set_phase(phase, start * ms)
+            for i in range(8):
+                w.compute(f"b{i}", (start + i * each) * ms, (start + (i + 1) * each) * ms)
+        w.end_step(0, 1000 * ms)
+    traces = load_traces([tmp_path])
+    d = diagnose(summarize(traces), traces)
+    assert d.bound.bound_s == pytest.approx(0.8)  # the host arithmetic can run beside the GPU's 800 ms
+    f = d.findings[0]
+    assert f.part == "optimizer phase after backward" and "offload_optimizer.device cpu" in f.cause
+    assert f.prediction.predicted_step_s == pytest.approx(0.400 + 0.400 + 0.050)

@@ -36,7 +36,7 @@ class PhaseParts:
     read_busy_ns: float = 0.0  # union of NVMe reads
     write_busy_ns: float = 0.0
     disk_busy_ns: float = 0.0  # union of both
-    optimizer_blocks: set[str] = field(default_factory=set)  # blocks whose optimizer state moved
+    optimizer_blocks: set[str] = field(default_factory=set)  # blocks whose optimizer state moved or stepped
 
     @property
     def stall_total_ns(self) -> float:
@@ -176,6 +176,10 @@ def rank_steps(trace: RankTrace) -> list[StepParts]:
     moves_by_step: dict[int, list[Record]] = defaultdict(list)
     for m in trace.of("move"):
         moves_by_step[m["step"]].append(m)
+    stepped: dict[int, set[str]] = defaultdict(set)
+    for r in trace.of("compute"):
+        if r["phase"] == "optimizer":
+            stepped[r["step"]].add(block_name(r["block"]))
     phase_spans = trace.phase_spans()
     out = []
     for step, (start, end, complete) in trace.steps().items():
@@ -185,6 +189,8 @@ def rank_steps(trace: RankTrace) -> list[StepParts]:
         for name in names:
             spans = [(max(s, start), min(e, end)) for s, e in phase_spans[(step, name)]]
             parts.phases[name] = _phase_parts(name, spans, compute, stalls, moves)
+            if name == "optimizer":  # a shard stepped in memory (the host optimizer) moves nothing
+                parts.phases[name].optimizer_blocks |= stepped.get(step, set())
         out.append(parts)
     return out
 

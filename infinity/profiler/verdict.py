@@ -1,6 +1,7 @@
 """The verdict on the whole step: its bound, and its avoidable parts, largest saving first.
 
-Bound (per rank): the longer of the recorded compute (every phase) and the disk's time for the run's
+Bound (per rank): the longer of the recorded compute (forward and backward, plus the optimizer's
+arithmetic on a CPU-only run; the longer of the two with CUDA) and the disk's time for the run's
 NVMe bytes at the probed speed (reads, then writes: reads / raw read + writes / raw write; without a
 probe, the disk's busy time in the run). A step within MARGIN of its bound needs no change.
 
@@ -84,7 +85,11 @@ class Finding:
 
 def bound(b: Breakdown, facts: RunFacts) -> Bound:
     m = b.mean
-    compute_ns = sum(p.compute_ns for p in m.phases.values())
+    model_ns = sum(p.compute_ns for name, p in m.phases.items() if name != "optimizer")
+    optimizer_ns = m.phase("optimizer").compute_ns
+    # the optimizer's arithmetic runs on the CPU: beside the GPU's forward and backward, but on a CPU-only
+    # machine on the same cores as them
+    compute_ns = max(model_ns, optimizer_ns) if facts.cuda else model_ns + optimizer_ns
     reads = sum(p.nvme("read") for p in m.phases.values())
     writes = sum(p.nvme("write") for p in m.phases.values())
     raw_r, raw_w = facts.raw(True), facts.raw(False)
