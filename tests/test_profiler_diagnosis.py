@@ -1,5 +1,8 @@
-"""The diagnosis fires on deliberately starved runs, names the setting and its evidence, and is silent
-on a well-tuned one. The runs are synthetic timelines (`infinity.profiler.synthetic`) with known causes."""
+"""The diagnosis: the verdict on the whole step names the largest avoidable part first (the optimizer
+streaming after backward under clipping, with its bytes, bandwidth against the probed disk and the
+saving), stays quiet on a run near its bound, and the setting rules fire on deliberately starved runs,
+naming the key that changes something and its evidence. The runs are synthetic timelines
+(`infinity.profiler.synthetic`) with known causes."""
 
 from __future__ import annotations
 
@@ -8,21 +11,65 @@ from pathlib import Path
 
 import pytest
 
+from infinity.profiler import TraceWriter
 from infinity.profiler.analysis import summarize
 from infinity.profiler.diagnosis import Diagnosis, diagnose
-from infinity.profiler.synthetic import SCENARIOS, Scenario, write_scenario
+from infinity.profiler.report import prepare
+from infinity.profiler.synthetic import SCENARIOS, Scenario, config_for, settings_for, write_scenario
 from infinity.profiler.traces import load_traces
+from infinity.profiler.verdict import OVERLAP_FEATURE
+
+Z = "zero_optimization."
 
 
 def _diagnose(tmp_path: Path, scenario: Scenario, ranks: int = 1) -> Diagnosis:
     for rank in range(ranks):
         write_scenario(str(tmp_path), scenario, rank=rank, world_size=ranks)
     traces = load_traces([tmp_path])
+    assert prepare(traces) == []
     return diagnose(summarize(traces), traces)
 
 
 def _settings(d: Diagnosis) -> dict[str, str]:
     return {r.setting: r.direction for r in d.recommendations}
+
+
+# -- the verdict on the whole step ------------------------------------------------------------------
+
+
+def test_clipped_run_names_the_optimizer_phase_after_backward_and_clipping_first(tmp_path: Path) -> None:
+    d = _diagnose(tmp_path, SCENARIOS["clipped"])
+    first = d.verdict
+    assert first == d.findings[0].headline and first.startswith("optimizer phase after backward: ")
+    assert "because gradient_clipping is 1.0" in first
+    # the scenario reads 16 blocks x (48 MB state + 16 MB gradient) at 1.8 GB/s against a probed 2.0 GB/s
+    assert "1.02 GB read at 1.80 GB/s (0.90 of the probed 2.00 GB/s)" in first
+    assert "GB written at 0.90 GB/s (0.90 of the probed 1.00 GB/s)" in first
+    saving = d.findings[0].prediction.saving_s
+    assert f"expected saving {saving:.3f} s per step" in first and saving > 0
+    assert d.findings[0].remedy.startswith(OVERLAP_FEATURE) and "gradient_clipping 0" in d.findings[0].remedy
+
+
+def test_the_same_run_without_clipping_stays_quiet(tmp_path: Path) -> None:
+    d = _diagnose(tmp_path, SCENARIOS["tuned"])  # "clipped" is "tuned" with gradient_clipping 1.0
+    assert d.findings == [] and d.recommendations == []
+    assert d.verdict.startswith("no change needed: the ") and "within 10% of its bound" in d.verdict
+
+
+def test_fp16_loss_scaling_is_named_when_it_keeps_the_optimizer_after_backward(tmp_path: Path) -> None:
+    d = _diagnose(tmp_path, dataclasses.replace(SCENARIOS["clipped"], gradient_clipping=0.0, fp16=True))
+    assert d.findings[0].part == "optimizer phase after backward" and "fp16 loss scaling" in d.verdict
+
+
+def test_a_step_far_above_its_bound_is_never_no_change_needed(tmp_path: Path) -> None:
+    for name in ("clipped", "starved", "late_prefetch"):
+        d = _diagnose(tmp_path / name, SCENARIOS[name])
+        assert not d.verdict.startswith("no change needed"), name
+        step_s = d.breakdown.mean.wall_ns / 1e9
+        assert step_s > 1.1 * d.bound.bound_s, name
+
+
+# -- the setting rules -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -33,18 +80,24 @@ def test_well_tuned_run_gets_no_recommendation(tmp_path: Path, ranks: int) -> No
 
 def test_starved_run_one_buffer_queue_depth_one_gets_buffers_and_queue_depth(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, SCENARIOS["starved"])
-    assert _settings(d) == {"offload_param.buffer_count": "raise", "aio.queue_depth": "raise"}
+    assert _settings(d) == {Z + "offload_param.buffer_count": "raise", "aio.queue_depth": "raise"}
     by = {r.setting: r for r in d.recommendations}
-    assert "exhausted 120 times in 3 step(s)" in by["offload_param.buffer_count"].evidence
-    assert by["offload_param.buffer_count"].current == 1
-    assert "0.12 of the raw disk's 2.00 GB/s" in by["aio.queue_depth"].evidence
+    buffers = by[Z + "offload_param.buffer_count"]
+    assert "exhausted 120 times in 3 step(s)" in buffers.evidence
+    # read-ahead now max(1 x 1e8, 4 x 32e6 elements of the largest shard) = 1.28e8; twice that needs 3 buffers
+    assert (buffers.current, buffers.value) == (1, 3)
+    assert "0.12 of the probed disk's 2.00 GB/s" in by["aio.queue_depth"].evidence
+    assert (by["aio.queue_depth"].current, by["aio.queue_depth"].value) == (1, 2)
+    assert d.findings[0].part == "NVMe below the disk's speed" and d.findings[0].setting == "aio.queue_depth"
 
 
 def test_reads_issued_too_late_with_an_idle_queue_raise_the_prefetch_bucket(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, SCENARIOS["late_prefetch"])
-    assert _settings(d) == {"stage3_prefetch_bucket_size": "raise"}
-    evidence = d.recommendations[0].evidence
-    assert "46% of forward stalled on NVMe reads" in evidence and "aio.queue_depth=8" in evidence
+    assert _settings(d) == {Z + "stage3_prefetch_bucket_size": "raise"}
+    r = d.recommendations[0]
+    assert "46% of forward stalled on NVMe reads" in r.evidence and "aio.queue_depth=8" in r.evidence
+    assert (r.current, r.value) == (50_000_000, 100_000_000)
+    assert d.findings[0].setting == Z + "stage3_prefetch_bucket_size"
 
 
 def test_queue_idleness_is_estimated_from_moves_without_queue_records(tmp_path: Path) -> None:
@@ -53,27 +106,33 @@ def test_queue_idleness_is_estimated_from_moves_without_queue_records(tmp_path: 
     path.write_text("".join(line for line in path.read_text().splitlines(True) if '"type":"queue"' not in line))
     traces = load_traces([tmp_path])
     d = diagnose(summarize(traces), traces)
-    assert _settings(d) == {"stage3_prefetch_bucket_size": "raise"} and "estimated" in d.recommendations[0].evidence
+    assert _settings(d) == {Z + "stage3_prefetch_bucket_size": "raise"}
+    assert "estimated" in d.recommendations[0].evidence
 
 
-def test_a_saturated_disk_at_full_speed_keeps_more_in_host_memory(tmp_path: Path) -> None:
+def test_a_saturated_disk_at_full_speed_keeps_more_in_host_memory_with_the_key_that_sizes_it(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, SCENARIOS["disk_bound"])
-    assert _settings(d) == {"offload_param.max_in_cpu": "raise"}
-    assert "0.90 of raw disk bandwidth" in d.recommendations[0].evidence
+    # max_in_cpu (1e9) is above buffer_count x buffer_size (5 x 1e8): raising it would change nothing
+    assert _settings(d) == {Z + "offload_param.buffer_count": "raise"}
+    assert "0.90 of the probed disk's speed" in d.recommendations[0].evidence
+    assert (d.recommendations[0].current, d.recommendations[0].value) == (5, 10)
+    budget = dataclasses.replace(SCENARIOS["disk_bound"], host_budget_bytes=2_000_000_000)
+    assert _settings(_diagnose(tmp_path / "budget", budget)) == {Z + "host_budget_bytes": "raise"}
 
 
 def test_slow_disk_without_stalls_raises_queue_depth_then_threads(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, SCENARIOS["slow_disk"])
     assert _settings(d) == {"aio.queue_depth": "raise"}
-    assert "reads ran at 0.50 GB/s while busy, 0.25 of the raw disk's 2.00 GB/s" in d.recommendations[0].evidence
+    assert "reads ran at 0.50 GB/s while busy, 0.25 of the probed disk's 2.00 GB/s" in d.recommendations[0].evidence
     deep = dataclasses.replace(SCENARIOS["slow_disk"], queue_depth=64)
     assert _settings(_diagnose(tmp_path / "deep", deep)) == {"aio.intra_op_parallelism": "raise"}
 
 
 def test_stalls_on_all_gather_raise_the_prefetch_bucket(tmp_path: Path) -> None:
-    d = _diagnose(tmp_path, SCENARIOS["gather_bound"])
-    assert _settings(d) == {"stage3_prefetch_bucket_size": "raise"}
-    assert "stalled on all-gather collectives" in d.recommendations[0].evidence
+    d = _diagnose(tmp_path, SCENARIOS["gather_bound"], ranks=2)
+    assert _settings(d) == {Z + "stage3_prefetch_bucket_size": "raise"}
+    assert "stalled on collectives" in d.recommendations[0].evidence
+    assert d.findings[0].part == "collective stalls in forward"
 
 
 def test_unknown_raw_disk_skips_the_disk_check_with_a_note(tmp_path: Path) -> None:
@@ -85,28 +144,54 @@ def test_rare_pool_exhaustion_is_not_a_finding(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, dataclasses.replace(SCENARIOS["tuned"], pool_exhausted_per_step=0, steps=3))
     assert d.recommendations == []
     d = _diagnose(tmp_path / "b", dataclasses.replace(SCENARIOS["tuned"], pool_exhausted_per_step=1, steps=3))
-    assert _settings(d) == {"offload_param.buffer_count": "raise"}
+    assert _settings(d) == {Z + "offload_param.buffer_count": "raise"}
 
 
-def test_optimizer_stalled_on_nvme_reads_turns_on_pipelined_reads(tmp_path: Path) -> None:
-    from infinity.profiler import TraceWriter
-    from infinity.profiler.synthetic import settings_for
-
-    settings = settings_for(SCENARIOS["tuned"])
-    with TraceWriter(tmp_path, 0, 1, settings) as w:
+def _optimizer_stall_trace(path: Path, scenario: Scenario) -> Diagnosis:
+    """One step whose optimizer phase waits 50 of 100 ns on a read, the disk busy for 10 of them."""
+    with TraceWriter(path, 0, 1, settings_for(scenario), config=config_for(scenario)) as w:
         w.begin_step(0, 0)
         w.set_phase("optimizer", 100)
+        w.move("('b0#0', 'exp_avg')", "b0", 4096, "nvme", "host", 140, 150)
         w.stall("b0", 100, 150, "nvme->host")
         w.end_step(0, 200)
+    traces = load_traces([path])
+    return diagnose(summarize(traces), traces)
+
+
+def test_optimizer_waiting_on_reads_with_the_disk_idle_raises_its_window_never_a_pipeline_key(tmp_path: Path) -> None:
+    d = _optimizer_stall_trace(tmp_path, SCENARIOS["tuned"])
+    assert _settings(d) == {Z + "offload_optimizer.buffer_count": "raise"}
+    r = d.recommendations[0]
+    assert "50% of the optimizer step stalled on NVMe reads while the disk was busy for only 10%" in r.evidence
+    assert (r.current, r.value) == (4, 8)
+    budget = dataclasses.replace(SCENARIOS["tuned"], host_budget_bytes=1 << 30)
+    assert _settings(_optimizer_stall_trace(tmp_path / "budget", budget)) == {Z + "host_budget_bytes": "raise"}
+
+
+def test_no_recommendation_ever_names_a_pipeline_key(tmp_path: Path) -> None:
+    for name, scenario in SCENARIOS.items():
+        d = _diagnose(tmp_path / name, scenario, ranks=2 if name == "gather_bound" else 1)
+        assert not [r for r in d.recommendations if "pipeline" in r.setting], name
+        assert not [f for f in d.findings if "pipeline" in f.remedy], name
+
+
+def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path: Path) -> None:
+    """Forward and backward 400 ms each on the GPU, then 8 shards of host Adam, 25 ms each: the optimizer
+    could run beside backward (max(400, 200) ms) leaving one window's half (2 of 8 shards) after it."""
+    config = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu",
+                                                                                             "buffer_count": 4}}}
+    ms = 1_000_000
+    with TraceWriter(tmp_path, 0, 1, {"offload_param": {"device": "cpu"}}, config=config, device="cuda") as w:
+        w.begin_step(0, 0)
+        for phase, start, each in (("forward", 0, 50), ("backward", 400, 50), ("optimizer", 800, 25)):
+            w.set_phase(phase, start * ms)
+            for i in range(8):
+                w.compute(f"b{i}", (start + i * each) * ms, (start + (i + 1) * each) * ms)
+        w.end_step(0, 1000 * ms)
     traces = load_traces([tmp_path])
     d = diagnose(summarize(traces), traces)
-    assert _settings(d) == {"offload_optimizer.pipeline_read": "set true"}
-    assert "50% of the optimizer step stalled on NVMe reads" in d.recommendations[0].evidence
-    settings["offload_optimizer"]["pipeline_read"] = True
-    with TraceWriter(tmp_path / "on", 0, 1, settings) as w:
-        w.begin_step(0, 0)
-        w.set_phase("optimizer", 100)
-        w.stall("b0", 100, 150, "nvme->host")
-        w.end_step(0, 200)
-    traces = load_traces([tmp_path / "on"])
-    assert _settings(diagnose(summarize(traces), traces)) == {"offload_optimizer.buffer_count": "raise"}
+    assert d.bound.bound_s == pytest.approx(0.8)  # the host arithmetic can run beside the GPU's 800 ms
+    f = d.findings[0]
+    assert f.part == "optimizer phase after backward" and "offload_optimizer.device cpu" in f.cause
+    assert f.prediction.predicted_step_s == pytest.approx(0.400 + 0.400 + 0.050)

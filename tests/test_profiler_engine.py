@@ -51,8 +51,11 @@ def test_profiled_nvme_training_leaves_valid_traces_per_rank(tmp_path, world):
     for trace, result in zip(traces, results, strict=True):
         kinds = {kind for kind, records in trace.records.items() if records}
         assert trace.meta["rank"] == result["rank"]
-        assert {"step", "phase", "move", "stall", "compute", "use", "live"} <= kinds
+        assert {"step", "phase", "move", "stall", "compute", "use", "live", "rss"} <= kinds
         assert ("collective" in kinds) == (world > 1)  # one rank communicates nothing
+        raw = trace.meta["raw_disk"]  # the swap directory was probed when the profiler opened
+        assert raw["read_gbps"] > 0 and raw["write_gbps"] > 0 and raw["path"] == str(tmp_path)
+        assert trace.meta["config"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
         # every fetch of a parameter shard for a gather is one nvme->host read the store recorded (a
         # CPU-only machine without a device budget computes from host memory)
         moves = trace.records["move"]
@@ -69,6 +72,8 @@ def test_profiled_nvme_training_leaves_valid_traces_per_rank(tmp_path, world):
     report = build_report(paths, out_dir=tmp_path / "report", plots=False)
     assert report.summary.total.moves["nvme->host"].bytes > 0
     assert report.problems == []
+    assert report.diagnosis.bound is not None and "step breakdown" in report.text
+    assert not [r for r in report.diagnosis.recommendations if "pipeline" in r.setting]
 
 
 def test_profiler_off_records_nothing(tmp_path):

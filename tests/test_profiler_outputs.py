@@ -47,6 +47,19 @@ def test_perfetto_json_has_a_process_per_rank_and_the_named_tracks(two_ranks: Pa
     assert sum(e["args"]["bytes"] for e in moves) == 2 * (200_000_000 + 50_000_000 + 25_000_000 + 100_000_000)
 
 
+def test_perfetto_phases_carry_their_breakdown_and_the_serial_io_and_bandwidth_tracks_exist(tmp_path: Path) -> None:
+    write_scenario(str(tmp_path), SCENARIOS["clipped"])
+    events = chrome_trace(load_traces([tmp_path]))["traceEvents"]
+    phases = [e for e in events if e["ph"] == "X" and e["cat"] == "phase" and e["name"] == "optimizer"]
+    assert phases and all(e["args"]["stall ms (whole phase)"] > 0 for e in phases)
+    threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"phases", "stalls", "serial I/O"} <= threads
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert {"NVMe read GB/s", "NVMe write GB/s", "held host optimizer bytes", "store peak host bytes"} <= counters
+    stalls = {e["name"].split(":")[0] for e in events if e["ph"] == "X" and e["cat"] == "stall"}
+    assert stalls == {"stall on disk read"}
+
+
 def test_perfetto_slices_on_one_track_never_overlap_and_are_well_formed(two_ranks: Path) -> None:
     events = chrome_trace(load_traces([two_ranks]))["traceEvents"]
     by_track = defaultdict(list)
@@ -77,7 +90,10 @@ def test_cli_prints_the_report_and_writes_perfetto_summary_and_loadable_pngs(two
     assert "2 rank(s)" in text and "diagnosis:" in text and "trace.perfetto.json" in text
     assert json.loads((out / "trace.perfetto.json").read_text())["traceEvents"]
     assert json.loads((out / "summary.json").read_text())["summary"]["total"]["stall_share"] == pytest.approx(0.06)
-    for name in ("bandwidth.png", "live_bytes.png", "stalls.png"):
+    written = [line.strip() for line in text.split("written:")[1].splitlines() if line.strip()]
+    pngs = [Path(f).name for f in written if f.endswith(".png")]
+    assert pngs == ["steps.png", "timeline.png", "blocks.png", "live_bytes.png"]  # the step picture first
+    for name in pngs:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC), name
         pixels = image.imread(out / name)
@@ -99,7 +115,7 @@ def test_missing_matplotlib_is_a_note_not_a_crash(two_ranks: Path, monkeypatch) 
 
     report = build_report([two_ranks], two_ranks / "out")
     assert "matplotlib is not installed" in report.text
-    assert not (two_ranks / "out" / "bandwidth.png").exists() and (two_ranks / "out" / "trace.perfetto.json").exists()
+    assert not list((two_ranks / "out").glob("*.png")) and (two_ranks / "out" / "trace.perfetto.json").exists()
 
 
 def test_cli_names_a_missing_trace_and_exits_2(tmp_path: Path, capsys) -> None:
@@ -113,3 +129,14 @@ def test_tool_script_runs_from_a_checkout(tmp_path: Path) -> None:
                            "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "no change needed" in done.stdout and (tmp_path / "r" / "trace.perfetto.json").exists()
+
+
+def test_cli_checks_the_top_prediction_against_a_run_with_the_change_made(tmp_path: Path, capsys) -> None:
+    write_scenario(str(tmp_path / "clipped"), SCENARIOS["clipped"])
+    write_scenario(str(tmp_path / "overlapped"), SCENARIOS["tuned"])  # the same run, stepping during backward
+    args = [str(tmp_path / "clipped"), "--no-plots", "--out", str(tmp_path / "r")]
+    args += ["--against", str(tmp_path / "overlapped")]
+    assert main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("what-if check, the optimizer step overlapped with backward: predicted step ")
+    assert "measured" in last and "predicted saving off by" in last

@@ -18,8 +18,9 @@ SETTINGS = {"stage3_prefetch_bucket_size": 50_000_000, "aio": {"block_size": 1 <
                                                               "intra_op_parallelism": 1}}
 
 
-def write_known_step(path: Path, rank: int = 0, scale: int = 1, world_size: int = 1) -> Path:
-    """One step of 1000 ms: forward [0, 400), backward [400, 800), optimizer [800, 1000); bytes x `scale`."""
+def write_known_step(path: Path, rank: int = 0, scale: int = 1, world_size: int = 2) -> Path:
+    """One step of 1000 ms of a rank of a two-rank run: forward [0, 400), backward [400, 800), optimizer
+    [800, 1000); bytes x `scale`."""
     w = TraceWriter(path, rank, world_size, SETTINGS, raw_disk={"read_gbps": 2.0, "write_gbps": 1.0})
     t = lambda ms: B + int(ms * MS)  # noqa: E731
     w.live("host", 50_000_000, t(-5))  # before the window: carried into the step's start

@@ -61,7 +61,7 @@ def test_phases_and_steps_are_written_as_spans(tmp_path: Path) -> None:
 
 
 def test_each_record_has_the_fields_of_the_format(tmp_path: Path) -> None:
-    w = TraceWriter(tmp_path, 0, 1, {})
+    w = TraceWriter(tmp_path, 0, 2, {}, sample_rss=True)  # two ranks: collectives are recorded
     w.live("host", 7)
     w.begin_step(0)
     w.move(("blk", "param"), "blk", 8, "nvme", "host", 1, 2)
@@ -72,7 +72,9 @@ def test_each_record_has_the_fields_of_the_format(tmp_path: Path) -> None:
     w.use("blk", True, 4)
     w.pool_exhausted("param", 9, 5)
     w.live("host", 15, 6)
+    w.held("host", "staging", 15, 6)
     w.queue("nvme-read", 2, 6)
+    w.peak("host", 15, 7)
     w.end_step(0)
     w.close()
     records = _lines(w.path)
@@ -80,6 +82,7 @@ def test_each_record_has_the_fields_of_the_format(tmp_path: Path) -> None:
     for r in records:
         assert set(FIELDS[r["type"]]) <= set(r), r
     assert records[1] == {"type": "live", "tier": "host", "bytes": 7, "t_ns": records[1]["t_ns"]}  # carried in
+    assert [r["type"] for r in records].count("rss") == 2  # the step's start and end
     assert validate(load_traces([tmp_path])) == []
 
 
@@ -190,9 +193,34 @@ def test_format_doc_lists_every_record_type() -> None:
 def test_settings_come_from_attributes_only() -> None:
     z = SimpleNamespace(stage3_prefetch_bucket_size=1, stage3_max_live_parameters=2,
                         offload_param=SimpleNamespace(device="nvme", buffer_count=3, buffer_size=4, max_in_cpu=8),
-                        offload_optimizer=SimpleNamespace(device="cpu", buffer_count=5, pipeline_read=True,
-                                                          pipeline_write=False))
+                        offload_optimizer=SimpleNamespace(device="cpu", buffer_count=5))
     aio = SimpleNamespace(block_size=4096, queue_depth=6, intra_op_parallelism=7)
     s = settings_from_config(SimpleNamespace(zero_optimization=z, aio=aio))
     assert s["aio"] == {"block_size": 4096, "queue_depth": 6, "intra_op_parallelism": 7}
-    assert s["offload_optimizer"]["pipeline_read"] is True
+    assert s["offload_optimizer"] == {"device": "cpu", "buffer_count": 5}  # no keys that change nothing
+
+
+def test_the_meta_line_carries_the_resolved_config_and_the_compute_device(tmp_path: Path) -> None:
+    cfg = load_config({"gradient_clipping": 1.0, "bf16": {"enabled": True},
+                       "profiler": {"path": str(tmp_path / "t")}})  # fmt: skip
+    w = open_trace_writer(cfg, 0, 1, enabled=True)
+    w.close()
+    meta = _lines(tmp_path / "t" / "trace_rank0.jsonl")[0]
+    assert meta["config"] == cfg.to_dict() and meta["config"]["gradient_clipping"] == 1.0
+    assert meta["device"] in ("cpu", "cuda") and meta["raw_disk"] is None  # no NVMe offload: nothing to probe
+
+
+def test_rss_is_sampled_at_phase_changes_and_sees_memory_the_process_takes(tmp_path: Path) -> None:
+    import mmap
+
+    w = TraceWriter(tmp_path, 0, 1, {}, sample_rss=True)
+    w.begin_step(0)
+    held = mmap.mmap(-1, 64 << 20)  # fresh anonymous pages, whatever malloc keeps
+    for offset in range(0, len(held), 4096):
+        held[offset] = 1  # touched: now resident
+    w.set_phase("backward")
+    w.end_step(0)
+    w.close()
+    held.close()
+    rss = [r["bytes"] for r in _lines(w.path) if r["type"] == "rss"]
+    assert len(rss) == 3 and rss[1] - rss[0] >= 60 << 20

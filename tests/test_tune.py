@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from infinity.cli import main
 from infinity.cli.train import build_config
@@ -20,7 +21,19 @@ from infinity.config import ConfigError, load_config, resolve_auto
 from infinity.profiler.synthetic import SCENARIOS, write_scenario
 from infinity.profiler.traces import RankTrace
 from infinity.tuning.auto_prefetch import auto_prefetch
-from infinity.tuning.knobs import BLOCK_SIZE, INTRA_OP, ORDER, QUEUE_DEPTH, Knob, all_knobs, applicable, select
+from infinity.tuning.knobs import (
+    BLOCK_SIZE,
+    INTRA_OP,
+    OPTIMIZER_BUFFERS,
+    ORDER,
+    PARAM_BUFFERS,
+    PREFETCH,
+    QUEUE_DEPTH,
+    Knob,
+    all_knobs,
+    applicable,
+    select,
+)
 from infinity.tuning.search import Budget, CoordinateDescent, noise_threshold
 from infinity.tuning.trial import TrialResult
 
@@ -78,6 +91,69 @@ def test_buffer_counts_and_aio_are_searched_only_with_nvme_offload():
     assert select(ORDER, "queue_depth, aio.block_size") == [QUEUE_DEPTH, BLOCK_SIZE]
     with pytest.raises(ValueError, match="unknown knob 'depth'"):
         select(ORDER, "depth")
+
+
+def test_the_prefetch_bucket_is_searched_only_where_blocks_are_gathered():
+    resolved = load_config({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).to_dict()
+    assert PREFETCH not in applicable(resolved)  # one rank keeps device-resident blocks in place
+
+
+# -- only values that change something ---------------------------------------------------------
+
+NVME = {"device": "nvme", "nvme_path": "/nvme"}
+GPU = torch.device("cuda", 0)  # a GPU's placement: gathers read the device tier, not host memory
+
+
+def _effective(zero: dict, name: str):
+    from infinity.cli.tune import _block_plan
+    from infinity.tuning.effects import effective_knob
+
+    cfg = resolve_auto(load_config({"zero_optimization": {"block_classes": ["Block"], **zero}}), hidden_size=64)
+    return effective_knob(all_knobs(1000)[name], cfg, _block_plan("small", 64, cfg), GPU)
+
+
+def _plan(zero: dict, name: str, value: int):
+    from infinity.cli.tune import _block_plan
+    from infinity.tuning.effects import budget_plan, with_value
+
+    cfg = resolve_auto(load_config({"zero_optimization": {"block_classes": ["Block"], **zero}}), hidden_size=64)
+    return budget_plan(with_value(cfg, name, value), _block_plan("small", 64, cfg), GPU)
+
+
+@pytest.mark.parametrize(
+    ("zero", "why"),
+    [
+        ({"offload_param": NVME, "offload_optimizer": {"device": "cpu"}}, "a shard lives on the host"),
+        ({"offload_param": NVME, "offload_optimizer": NVME, "host_budget_bytes": 1 << 30}, "host_budget_bytes is set"),
+    ],
+)
+def test_the_parameter_buffer_count_is_not_tuned_where_no_budget_depends_on_it(zero, why):
+    knob, note = _effective(zero, PARAM_BUFFERS)
+    assert knob is None and why in note
+    plans = {str(_plan(zero, PARAM_BUFFERS, v)) for v in all_knobs(1000)[PARAM_BUFFERS].ladder}
+    assert len(plans) == 1  # the reason it is not tuned: every value gives the same plan
+
+
+def test_each_tuned_buffer_count_value_gives_its_own_budget_plan():
+    zero = {"offload_param": NVME, "offload_optimizer": NVME}
+    for name in (PARAM_BUFFERS, OPTIMIZER_BUFFERS):
+        knob, _ = _effective(zero, name)
+        assert knob is not None and (5 if name == PARAM_BUFFERS else 4) in knob.ladder  # the defaults stay
+        plans = [_plan(zero, name, v) for v in knob.ladder]
+        assert all(a != b for i, a in enumerate(plans) for b in plans[i + 1 :]), name
+    # the read-ahead stops growing at max_in_cpu (1e9 elements = 10 buffers of 1e8): 12 and 16 give one plan
+    param_knob, _ = _effective(zero, PARAM_BUFFERS)
+    assert max(param_knob.ladder) == 12 and 16 not in param_knob.ladder
+
+
+def test_tune_says_which_knob_changes_nothing_and_exits_2_when_none_is_left(tmp_path, capsys):
+    path = tmp_path / "cfg.json"
+    zero = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, "offload_optimizer": {"device": "cpu"}}
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    assert main(["tune", "--config", str(path), "--model", "tiny", "--knobs", PARAM_BUFFERS]) == 2
+    err = capsys.readouterr().err
+    assert "not tuning zero_optimization.offload_param.buffer_count: it changes nothing here" in err
+    assert "no knob to tune" in err
 
 
 # -- the search, against a made-up machine -----------------------------------------------------

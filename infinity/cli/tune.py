@@ -2,8 +2,10 @@
 
 Short trials of the user's model under the user's config, one setting changed at a time (the prefetch
 bucket, the offload buffer counts, aio queue depth, block size and threads; see `infinity.tuning`),
-each timed by its median step after a warm-up step. Prints the trials as a table and writes the
-fastest config next to the original as `<stem>.tuned.json`. Runs as one process (world size 1).
+each timed by its median step after a warm-up step. A knob, or a value of it, that changes nothing for
+this config and model (a buffer count no budget depends on, see `infinity.tuning.effects`) is not
+tried. Prints the trials as a table and writes the fastest config next to the original as
+`<stem>.tuned.json`. Runs as one process (world size 1).
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def tuned_path(config: str | Path) -> Path:
     return path.with_name(f"{path.stem}.tuned.json")
 
 
-def _largest_block_elems(model_name: str, seq: int | None, cfg) -> int:
-    """Elements of the model's largest block as the engine will plan it (built on the meta device)."""
+def _block_plan(model_name: str, seq: int | None, cfg):
+    """The model's blocks as the engine will plan them (the model built on the meta device)."""
     import torch
 
     from infinity.cli.train import DEFAULT_SEQ
@@ -72,8 +74,22 @@ def _largest_block_elems(model_name: str, seq: int | None, cfg) -> int:
     with torch.device("meta"):
         model = GPT(gpt_preset(model_name, block_size=min(seq or DEFAULT_SEQ, preset.block_size)))
     z = cfg.zero_optimization
-    plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-    return max((sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks), default=0)
+    return plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
+
+
+def _effective(names: list[str], knobs: dict, cfg, plan) -> list:
+    """The knobs of `names` that change something here, each with only the values that do; notes on stderr."""
+    from infinity.engine.engine import compute_device
+    from infinity.tuning.effects import effective_knob
+
+    kept = []
+    for name in names:
+        knob, why = effective_knob(knobs[name], cfg, plan, compute_device())
+        if knob is None:
+            print(f"infinity tune: {why}", file=sys.stderr)
+        else:
+            kept.append(knob)
+    return kept
 
 
 def _job(args: argparse.Namespace, work_dir: Path):
@@ -93,7 +109,8 @@ def _job(args: argparse.Namespace, work_dir: Path):
     ns = argparse.Namespace(config=raw, offload=None, nvme_path=args.nvme_path, dtype=args.dtype, steps=args.steps)
     cfg = build_config(ns, gpt_preset(args.model).n_embd)
     resolved = cfg.to_dict()
-    block_elems = _largest_block_elems(args.model, args.seq, cfg)
+    plan = _block_plan(args.model, args.seq, cfg)
+    block_elems = max((sum(p.numel() for _, p, _ in uses) for _, _, uses in plan.blocks), default=0)
     knobs = all_knobs(max(block_elems, 1))
     names = select(applicable(resolved), args.knobs)
     if block_elems == 0 and PREFETCH in names:
@@ -103,13 +120,14 @@ def _job(args: argparse.Namespace, work_dir: Path):
             "stage3_param_persistence_threshold, so no block is fetched",
             file=sys.stderr,
         )
-    if not names:
+    chosen = _effective(names, knobs, cfg, plan)
+    if not chosen:
         why = f"--knobs {args.knobs} do not apply to this config" if args.knobs else "nothing is offloaded to NVMe"
         raise ConfigError(f"no knob to tune: {why} (buffer counts and aio settings apply only with NVMe offload)")
     return TuneJob(
         raw=raw,
         resolved=resolved,
-        knobs=[knobs[n] for n in names],
+        knobs=chosen,
         model=args.model,
         steps=args.steps,
         budget_s=args.budget_minutes * 60,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from infinity.profiler.format import (
     COLLECTIVE_OPS,
     FIELDS,
+    HOLDERS,
     PHASES,
     POOL_EVENTS,
     QUEUE_STREAMS,
@@ -51,7 +52,8 @@ def record_problem(r: Record) -> str | None:
             r["type"] == "move" and (r["src"] not in TIERS or r["dst"] not in TIERS or r["src"] == r["dst"]),
             f"bad tiers {r.get('src')!r}->{r.get('dst')!r}",
         ),
-        (r["type"] == "live" and r["tier"] not in TIERS, f"unknown tier {r.get('tier')!r}"),
+        (r["type"] in ("live", "held", "peak") and r["tier"] not in TIERS, f"unknown tier {r.get('tier')!r}"),
+        (r["type"] == "held" and r["holder"] not in HOLDERS, f"unknown holder {r.get('holder')!r}"),
         (r["type"] == "stall" and r["waited_on"] not in WAIT_KINDS, f"unknown waited_on {r.get('waited_on')!r}"),
         (r["type"] == "collective" and r["op"] not in COLLECTIVE_OPS, f"unknown op {r.get('op')!r}"),
         (r["type"] == "queue" and (r["stream"] not in QUEUE_STREAMS or r["depth"] < 0), "bad stream or depth"),
@@ -67,9 +69,10 @@ def validate(traces: Iterable[RankTrace], limit: int = 50) -> list[str]:
     """Problems of the traces (empty when well formed), at most `limit` of them.
 
     Checks: the meta line's version; every record's required fields, types, known tiers / phases /
-    ops / streams, end >= start; and per rank, that spans of each of step, phase, compute and stall
-    do not overlap one another (touching is fine). Moves and collectives may overlap (requests in
-    flight together), so they are not checked for overlap.
+    ops / streams / holders, end >= start; per rank, that spans of each of step, phase, compute and
+    stall do not overlap one another (touching is fine); and that a one-rank trace has no collective
+    (none happens: a collective over one rank is a view), neither as a record nor as what a stall
+    waited on. Moves and collectives may overlap (requests in flight together).
     """
     problems: list[str] = []
     for trace in traces:
@@ -82,6 +85,13 @@ def validate(traces: Iterable[RankTrace], limit: int = 50) -> list[str]:
             for r in records:
                 if problem := record_problem(r):
                     problems.append(f"{where}: {problem}: {r}")
+        if int(trace.meta.get("world_size", 0)) == 1:
+            waits = [r for r in trace.of("stall") if r.get("waited_on") in COLLECTIVE_OPS]
+            if trace.of("collective") or waits:
+                problems.append(
+                    f"{where}: a one-rank trace has {len(trace.of('collective'))} collective record(s) and "
+                    f"{len(waits)} stall(s) on a collective; at one rank nothing is communicated"
+                )
         for kind in NON_OVERLAPPING:
             spans = sorted((r["start_ns"], r["end_ns"]) for r in trace.of(kind) if record_problem(r) is None)
             for (s0, e0), (s1, e1) in zip(spans, spans[1:], strict=False):

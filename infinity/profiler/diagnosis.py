@@ -1,23 +1,24 @@
-"""The diagnosis: which settings to change, in which direction, with the numbers that say so.
+"""The diagnosis: the verdict on the whole step, and the settings to change with the numbers that say so.
 
-Each rule reads the summary (and the traces, for queue depths during stalls) and fires only past its
-threshold, so a well-tuned run gets no recommendation and the verdict "no change needed". Rules:
+First the whole step (`verdict`): its bound, and its avoidable parts, largest saving first, each with
+its cause and what removes it. Then the setting rules, each firing only past its threshold and
+naming only a key that changes something in this run (`knob_effects`), with the value to set:
 
-- forward/backward stalled > STALL_SHARE of the phase on NVMe reads while the read queue was not
+- forward/backward stalled > STALL_SHARE of the phase on disk reads while the read queue was not
   saturated (fewer than `aio.queue_depth` requests in flight) for >= QUEUE_IDLE_SHARE of the phase:
-  the disk had room, reads were issued too late -> raise `stage3_prefetch_bucket_size`. With the queue
-  saturated instead and the disk near its raw speed (or of unknown speed), the disk is the limit ->
-  raise `offload_param.max_in_cpu` (keep more parameters in host memory); far below its raw speed,
-  the disk rule below fires instead.
-- forward/backward stalled > STALL_SHARE on host->device copies or on a collective -> raise
-  `stage3_prefetch_bucket_size`.
-- the optimizer phase stalled > STALL_SHARE on NVMe reads (writes) -> set
-  `offload_optimizer.pipeline_read` (`pipeline_write`) true, or raise `offload_optimizer.buffer_count`.
+  reads start too late -> a larger `stage3_prefetch_bucket_size`. With the queue saturated instead and
+  the disk near its probed speed (or of unknown speed), the disk is the limit -> keep more parameters
+  in host memory (the key that sizes the read-ahead here). Far below its speed, the disk rule fires.
+- forward/backward stalled > STALL_SHARE on host-to-device copies or on a collective -> a larger
+  prefetch bucket.
+- the optimizer phase stalled > STALL_SHARE on the disk while the disk was busy for less than
+  OPTIMIZER_DISK_BUSY of it: reads start too late -> a larger optimizer window.
 - a buffer pool exhausted at least once per step (and POOL_MIN_COUNT times), or its waits >=
-  POOL_WAIT_SHARE of step time ->
-  raise that pool's `buffer_count` (`offload_param` for "param", `offload_optimizer` for "optimizer").
-- NVMe reads (writes) ran, while busy, below DISK_FRACTION of meta.raw_disk -> raise `aio.queue_depth`
-  (then `aio.intra_op_parallelism`, then `aio.block_size` once the former are already high).
+  POOL_WAIT_SHARE of step time -> more of that pool ("param": the read-ahead, "optimizer": the window).
+- NVMe reads (writes) ran, while busy, below DISK_FRACTION of the probed disk -> more requests in
+  flight (`aio.queue_depth`, then `aio.intra_op_parallelism`, then `aio.block_size`).
+The verdict says "no change needed" only when no setting is to change and the step is within
+`verdict.MARGIN` of its bound.
 """
 
 from __future__ import annotations
@@ -26,11 +27,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.profiler.analysis import Rate, Summary, Window, covered_below, depth_series
-from infinity.profiler.format import COLLECTIVE_OPS
+from infinity.profiler.breakdown import Breakdown, breakdown
+from infinity.profiler.facts import RunFacts
+from infinity.profiler.format import COLLECTIVE, DISK_READ, DISK_WRITE, TO_DEVICE, wait_group
+from infinity.profiler.knob_effects import (
+    Change,
+    aio_change,
+    optimizer_window_change,
+    prefetch_change,
+    read_ahead_change,
+)
 from infinity.profiler.traces import RankTrace
+from infinity.profiler.verdict import MARGIN, Bound, Finding, Remedy, bound, find
 
 STALL_SHARE = 0.10
 QUEUE_IDLE_SHARE = 0.5
+OPTIMIZER_DISK_BUSY = 0.8
 POOL_WAIT_SHARE = 0.01
 POOL_MIN_COUNT = 3  # with fewer steps than this, still ask for this many exhaustions
 DISK_FRACTION = 0.6
@@ -41,16 +53,27 @@ HIGH_INTRA_OP = 8
 
 @dataclass(frozen=True)
 class Recommendation:
-    """Change `setting` in `direction` ("raise", "set true"); `evidence` has the numbers."""
+    """Set `setting` (a dotted config key) from `current` to `value` (and the keys of `also`); `evidence`
+    has the numbers. `direction` is "raise" or "set"."""
 
     setting: str
     direction: str
     evidence: str
     current: Any = None
+    value: Any = None
+    also: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def action(self) -> str:
+        def fmt(v: Any) -> str:
+            return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+        change = "" if self.value is None else f" {fmt(self.current)} -> {fmt(self.value)}"
+        also = "".join(f" and {key} to {fmt(v)}" for key, v in self.also)
+        return f"{self.direction} {self.setting}{change}{also}"
 
     def __str__(self) -> str:
-        now = "" if self.current is None else f" (now {self.current})"
-        return f"{self.direction} {self.setting}{now}: {self.evidence}"
+        return f"{self.action}: {self.evidence}"
 
 
 @dataclass
@@ -58,201 +81,216 @@ class Diagnosis:
     recommendations: list[Recommendation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # checks that could not run, and why
     verdict: str = ""
+    findings: list[Finding] = field(default_factory=list)  # avoidable parts, largest saving first
+    bound: Bound | None = None
+    breakdown: Breakdown | None = None
 
 
-def _setting(settings: dict, path: str) -> Any:
-    value: Any = settings
-    for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
+class _Rules:
+    """The setting rules over one run; `out` gets recommendations, `remedies` what they remove."""
+
+    def __init__(self, summary: Summary, traces: list[RankTrace], facts: RunFacts, b: Breakdown) -> None:
+        self.summary, self.traces, self.facts, self.b = summary, traces, facts, b
+        self.out: list[Recommendation] = []
+        self.remedies: dict[tuple[str, str], Remedy] = {}
+        self.notes: list[str] = list(facts.notes)
+
+    def recommend(self, change: Change | None, evidence: str, *parts: tuple[str, str]) -> None:
+        if change is None:
+            return
+        direction = "set" if isinstance(change.value, str) else "raise"
+        note = f" ({change.note})" if change.note else ""
+        r = Recommendation(change.setting, direction, evidence + note, change.current, change.value, change.also)
+        self.out.append(r)
+        for part in parts:
+            self.remedies.setdefault(part, Remedy(evidence, r.action, r.setting))
+
+    def _disk_fraction(self, reads: bool) -> tuple[Rate, float | None]:
+        total = Rate()
+        for pair, rate in self.summary.total.moves.items():
+            src, dst = pair.split("->")
+            if (src if reads else dst) == "nvme":
+                total.bytes += rate.bytes
+                total.busy_ns += rate.busy_ns
+        raw = self.facts.raw(reads)
+        if not raw or total.bytes < MIN_DISK_BYTES or not total.busy_ns:
+            return total, None
+        return total, total.gbps_busy / raw
+
+    def _queue_idle(self, phase: str) -> tuple[float, bool]:
+        """(share of `phase`'s wall time the NVMe read queue was not saturated, measured): from `queue`
+        records, fewer than `aio.queue_depth` requests in flight; without them, estimated from moves: no
+        NVMe read in flight at all (one move may fill the queue by itself)."""
+        depth = int((self.facts.config.get("aio") or {}).get("queue_depth") or 1)
+        below = total = 0
+        measured = True
+        for trace in self.traces:
+            spans = [s for (_, p), ss in trace.phase_spans().items() if p == phase for s in ss]
+            series, was_measured = depth_series(trace, "nvme-read")
+            measured &= was_measured
+            b, t = covered_below(series, spans, depth if was_measured else 1)
+            below, total = below + b, total + t
+        return (below / total if total else 0.0), measured
+
+    def stalls(self) -> None:
+        f = self.facts
+        prefetch = prefetch_change(f.config, f.world_size, f.block_elems)
+        for phase in ("forward", "backward"):
+            window = self.summary.phases.get(phase)
+            if window is None or not window.wall_ns:
+                continue
+            groups = _groups(window)
+            read_share = groups.get(DISK_READ, 0) / window.wall_ns
+            if read_share > STALL_SHARE:
+                idle, measured = self._queue_idle(phase)
+                depth = (f.config.get("aio") or {}).get("queue_depth")
+                how = (
+                    f"held fewer than aio.queue_depth={depth} requests"
+                    if measured
+                    else "had no read in flight (estimated from moves; record queue depths to measure)"
+                )
+                if idle >= QUEUE_IDLE_SHARE:
+                    evidence = (
+                        f"{_pct(read_share)} of {phase} stalled on NVMe reads while the read queue {how} for "
+                        f"{_pct(idle)} of {phase}: reads start too late"
+                    )
+                    self.recommend(prefetch, evidence, (phase, DISK_READ))
+                else:
+                    rate, fraction = self._disk_fraction(reads=True)
+                    if fraction is None or fraction >= DISK_FRACTION:
+                        disk = "" if fraction is None else f", {fraction:.2f} of the probed disk's speed"
+                        evidence = (
+                            f"{_pct(read_share)} of {phase} stalled on NVMe reads with the read queue saturated for "
+                            f"{_pct(1 - idle)} of {phase} and reads at {rate.gbps_busy:.2f} GB/s{disk}: the disk is "
+                            "the limit; keep more parameters in host memory"
+                        )
+                        self.recommend(read_ahead_change(f.config, f.largest_param_bytes), evidence, (phase, DISK_READ))
+            for group in (TO_DEVICE, COLLECTIVE):
+                share = groups.get(group, 0) / window.wall_ns
+                if share > STALL_SHARE:
+                    evidence = f"{_pct(share)} of {phase} stalled on {group}s: they are issued too late"
+                    self.recommend(prefetch, evidence, (phase, group))
+
+    def optimizer_stalls(self) -> None:
+        window = self.summary.phases.get("optimizer")
+        parts = self.b.mean.phase("optimizer")
+        if window is None or not window.wall_ns or not parts.wall_ns:
+            return
+        busy = parts.disk_busy_ns / parts.wall_ns
+        groups = _groups(window)
+        for group in (DISK_READ, DISK_WRITE):
+            share = groups.get(group, 0) / window.wall_ns
+            if share <= STALL_SHARE or busy >= OPTIMIZER_DISK_BUSY:
+                continue
+            what = "reads" if group == DISK_READ else "writes"
+            evidence = (
+                f"{_pct(share)} of the optimizer step stalled on NVMe {what} while the disk was busy for only "
+                f"{_pct(busy)} of it: more shards in flight"
+            )
+            change = optimizer_window_change(self.facts.config, self.facts.largest_param_bytes)
+            self.recommend(change, evidence, ("optimizer", group))
+
+    def pools(self) -> None:
+        s, f = self.summary, self.facts
+        steps = max(len(s.steps), 1)
+        for pool, (count, wait_ns) in sorted(s.pools.items()):
+            share = wait_ns / s.total.wall_ns if s.total.wall_ns else 0.0
+            if count < max(POOL_MIN_COUNT, steps) and share < POOL_WAIT_SHARE:
+                continue
+            evidence = (
+                f"buffer pool '{pool}' exhausted {count} times in {steps} step(s), waiting {wait_ns / 1e9:.3f} s "
+                f"({_pct(share)} of step time)"
+            )
+            if pool == "param":
+                change = read_ahead_change(f.config, f.largest_param_bytes)
+            elif pool == "optimizer":
+                change = optimizer_window_change(f.config, f.largest_param_bytes)
+            else:
+                self.notes.append(f"{evidence}; no setting sizes a pool named '{pool}'")
+                continue
+            self.recommend(change, evidence, ("pool", pool))
+
+    def disk(self) -> None:
+        f = self.facts
+        for reads in (True, False):
+            rate, fraction = self._disk_fraction(reads)
+            if rate.bytes and not f.raw_disk:
+                self.notes.append(
+                    "raw disk bandwidth unknown (meta raw_disk is null: the disk probe did not run): NVMe efficiency "
+                    "not checked"
+                )
+                return
+            if fraction is None or fraction >= DISK_FRACTION:
+                continue
+            what = "reads" if reads else "writes"
+            evidence = (
+                f"NVMe {what} ran at {rate.gbps_busy:.2f} GB/s while busy, {fraction:.2f} of the probed disk's "
+                f"{f.raw(reads):.2f} GB/s"
+            )
+            change = aio_change(f.config, HIGH_QUEUE_DEPTH, HIGH_INTRA_OP)
+            self.recommend(change, evidence, ("disk", "read" if reads else "write"))
+
+
+def _groups(window: Window) -> dict[str, int]:
+    groups: dict[str, int] = {}
+    for wait, ns in window.stall_by_wait.items():
+        groups[wait_group(wait)] = groups.get(wait_group(wait), 0) + ns
+    return groups
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def _nvme_rate(window: Window, reads: bool) -> Rate:
-    total = Rate()
-    for pair, rate in window.moves.items():
-        src, dst = pair.split("->")
-        if (src if reads else dst) == "nvme":
-            total.bytes += rate.bytes
-            total.busy_ns += rate.busy_ns
-    return total
-
-
-def _queue_idle(traces: list[RankTrace], phase: str, queue_depth: int) -> tuple[float, bool]:
-    """(share of `phase`'s wall time the NVMe read queue was not saturated, measured).
-
-    Measured from `queue` records: fewer than `queue_depth` requests in flight. Without them, estimated
-    from moves: no NVMe read in flight at all (one move may fill the queue by itself).
-    """
-    below = total = 0
-    measured = True
-    for trace in traces:
-        spans = [s for (_, p), ss in trace.phase_spans().items() if p == phase for s in ss]
-        series, was_measured = depth_series(trace, "nvme-read")
-        measured &= was_measured
-        b, t = covered_below(series, spans, queue_depth if was_measured else 1)
-        below, total = below + b, total + t
-    return (below / total if total else 0.0), measured
-
-
-def _disk_fraction(summary: Summary, reads: bool) -> tuple[Rate, float | None]:
-    rate = _nvme_rate(summary.total, reads)
-    raw = (summary.raw_disk or {}).get("read_gbps" if reads else "write_gbps")
-    if not raw or rate.bytes < MIN_DISK_BYTES or not rate.busy_ns:
-        return rate, None
-    return rate, rate.gbps_busy / raw
-
-
-def _stall_rules(summary: Summary, traces: list[RankTrace], out: list[Recommendation]) -> None:
-    s = summary.settings
-    queue_depth = _setting(s, "aio.queue_depth") or 1
-    for phase in ("forward", "backward"):
-        window = summary.phases.get(phase)
-        if window is None or not window.wall_ns:
-            continue
-        reads = {w for w in window.stall_by_wait if w.startswith("nvme->")}
-        read_share = sum(window.stall_by_wait[w] for w in reads) / window.wall_ns
-        if read_share > STALL_SHARE:
-            idle, measured = _queue_idle(traces, phase, queue_depth)
-            how = (
-                f"held fewer than aio.queue_depth={queue_depth} requests"
-                if measured
-                else "had no read in flight (estimated from moves; record queue depths to measure)"
-            )
-            if idle >= QUEUE_IDLE_SHARE:
-                out.append(
-                    Recommendation(
-                        "stage3_prefetch_bucket_size",
-                        "raise",
-                        f"{_pct(read_share)} of {phase} stalled on NVMe reads while the read queue {how} for "
-                        f"{_pct(idle)} of {phase}: reads start too late",
-                        _setting(s, "stage3_prefetch_bucket_size"),
-                    )
-                )
-            else:
-                rate, fraction = _disk_fraction(summary, reads=True)
-                if fraction is None or fraction >= DISK_FRACTION:
-                    disk = "" if fraction is None else f", {fraction:.2f} of raw disk bandwidth"
-                    out.append(
-                        Recommendation(
-                            "offload_param.max_in_cpu",
-                            "raise",
-                            f"{_pct(read_share)} of {phase} stalled on NVMe reads with the read queue saturated for "
-                            f"{_pct(1 - idle)} of {phase} and reads at {rate.gbps_busy:.2f} GB/s{disk}: the disk is "
-                            "the limit; keep more parameters in host memory",
-                            _setting(s, "offload_param.max_in_cpu"),
-                        )
-                    )
-        for wait, ns in sorted(window.stall_by_wait.items()):
-            share = ns / window.wall_ns
-            if wait in reads or share <= STALL_SHARE or wait == "pool":
-                continue
-            what = f"{wait} collectives" if wait in COLLECTIVE_OPS else f"{wait} copies"
-            out.append(
-                Recommendation(
-                    "stage3_prefetch_bucket_size",
-                    "raise",
-                    f"{_pct(share)} of {phase} stalled on {what}: they are issued too late",
-                    _setting(s, "stage3_prefetch_bucket_size"),
-                )
-            )
-    window = summary.phases.get("optimizer")
-    if window is not None and window.wall_ns:
-        for reads, flag in ((True, "pipeline_read"), (False, "pipeline_write")):
-            ns = sum(v for w, v in window.stall_by_wait.items() if w.split("->")[0 if reads else -1] == "nvme")
-            if ns / window.wall_ns <= STALL_SHARE:
-                continue
-            what = "reads" if reads else "writes"
-            evidence = f"{_pct(ns / window.wall_ns)} of the optimizer step stalled on NVMe {what}"
-            if not _setting(s, f"offload_optimizer.{flag}"):
-                out.append(Recommendation(f"offload_optimizer.{flag}", "set true", evidence + ": overlap them", False))
-            else:
-                out.append(
-                    Recommendation(
-                        "offload_optimizer.buffer_count",
-                        "raise",
-                        evidence + " with the pipeline on",
-                        _setting(s, "offload_optimizer.buffer_count"),
-                    )
-                )
-
-
-def _pool_rules(summary: Summary, out: list[Recommendation]) -> None:
-    steps = max(len(summary.steps), 1)
-    for pool, (count, wait_ns) in sorted(summary.pools.items()):
-        share = wait_ns / summary.total.wall_ns if summary.total.wall_ns else 0.0
-        if count < max(POOL_MIN_COUNT, steps) and share < POOL_WAIT_SHARE:
-            continue
-        section = {"param": "offload_param", "optimizer": "offload_optimizer"}.get(pool, pool)
-        setting = f"{section}.buffer_count"
-        out.append(
-            Recommendation(
-                setting,
-                "raise",
-                f"buffer pool '{pool}' exhausted {count} times in {steps} step(s), waiting {wait_ns / 1e9:.3f} s "
-                f"({_pct(share)} of step time)",
-                _setting(summary.settings, setting),
-            )
-        )
-
-
-def _disk_rules(summary: Summary, out: list[Recommendation], notes: list[str]) -> None:
-    s = summary.settings
-    for reads in (True, False):
-        rate, fraction = _disk_fraction(summary, reads)
-        if rate.bytes and not summary.raw_disk:
-            notes.append("raw disk bandwidth unknown (meta raw_disk is null): NVMe efficiency not checked")
-            return
-        if fraction is None or fraction >= DISK_FRACTION:
-            continue
-        raw = summary.raw_disk["read_gbps" if reads else "write_gbps"]
-        depth, intra = _setting(s, "aio.queue_depth") or 1, _setting(s, "aio.intra_op_parallelism") or 1
-        setting = (
-            "aio.queue_depth"
-            if depth < HIGH_QUEUE_DEPTH
-            else "aio.intra_op_parallelism"
-            if intra < HIGH_INTRA_OP
-            else "aio.block_size"
-        )
-        out.append(
-            Recommendation(
-                setting,
-                "raise",
-                f"NVMe {'reads' if reads else 'writes'} ran at {rate.gbps_busy:.2f} GB/s while busy, {fraction:.2f} of "
-                f"the raw disk's {raw:.2f} GB/s",
-                _setting(s, setting),
-            )
-        )
-
-
 def _merge(recommendations: list[Recommendation]) -> list[Recommendation]:
-    merged: dict[tuple[str, str], Recommendation] = {}
+    merged: dict[str, Recommendation] = {}
     for r in recommendations:
-        if (r.setting, r.direction) in merged:
-            old = merged[(r.setting, r.direction)]
-            r = Recommendation(r.setting, r.direction, f"{old.evidence}; {r.evidence}", r.current)
-        merged[(r.setting, r.direction)] = r
+        old = merged.get(r.setting)
+        if old is not None:
+            value = r.value if isinstance(r.value, str) else max(old.value, r.value)
+            r = Recommendation(r.setting, r.direction, f"{old.evidence}; {r.evidence}", r.current, value, r.also)
+        merged[r.setting] = r
     return list(merged.values())
 
 
-def diagnose(summary: Summary, traces: list[RankTrace]) -> Diagnosis:
-    """Recommendations for the traced run; none (and a "no change needed" verdict) when it is well tuned."""
-    out: list[Recommendation] = []
-    notes: list[str] = []
-    _stall_rules(summary, traces, out)
-    _pool_rules(summary, out)
-    _disk_rules(summary, out, notes)
-    result = Diagnosis(_merge(out), notes)
+def _verdict(d: Diagnosis, summary: Summary) -> str:
+    b, limit = d.breakdown, d.bound
+    step_s = b.mean.wall_ns / 1e9 if b else 0.0
+    if d.findings:
+        return d.findings[0].headline
+    if d.recommendations:
+        return f"{len(d.recommendations)} setting(s) to change"
     total = summary.total
     hit = "n/a" if total.hit_rate is None else _pct(total.hit_rate)
-    exhausted = sum(count for count, _ in summary.pools.values())
-    result.verdict = (
-        f"{len(result.recommendations)} setting(s) to change"
-        if result.recommendations
-        else f"no change needed: stalls were {_pct(total.stall_share)} of step time, prefetch hit rate {hit}, "
-        f"buffer pools exhausted {exhausted} time(s)"
+    stalls = f"stalls were {_pct(total.stall_share)} of step time, prefetch hit rate {hit}"
+    if limit is None or limit.bound_s <= 0:
+        return f"no setting to change, but the step's bound is unknown (see the notes): {stalls}"
+    if step_s <= limit.bound_s * (1 + MARGIN):
+        return f"no change needed: the {step_s:.3f} s step is within {_pct(MARGIN)} of its bound {limit}; {stalls}"
+    return (
+        f"no change found: the {step_s:.3f} s step is {_pct(step_s / limit.bound_s - 1)} above its bound {limit}, "
+        "in parts no rule explains (see the step breakdown)"
     )
+
+
+def diagnose(summary: Summary, traces: list[RankTrace]) -> Diagnosis:
+    """The verdict and recommendations for the traced run; "no change needed" when it is near its bound."""
+    facts = RunFacts.of(traces)
+    b = breakdown(traces)
+    rules = _Rules(summary, traces, facts, b)
+    rules.stalls()
+    rules.optimizer_stalls()
+    rules.pools()
+    rules.disk()
+    result = Diagnosis(_merge(rules.out), rules.notes, breakdown=b)
+    if b.rank_steps and not any(t.of("compute") for t in traces):
+        result.notes.append(
+            "the trace has no compute spans (no block was scheduled: the model is all root or persistent "
+            "parameters), so the step's bound and its avoidable parts are unknown"
+        )
+    elif b.rank_steps:
+        result.bound = bound(b, facts)
+        if b.mean.wall_ns / 1e9 > result.bound.bound_s * (1 + MARGIN):  # within the margin nothing is avoidable
+            result.findings = find(b, summary, facts, rules.remedies)
+    result.verdict = _verdict(result, summary)
     return result

@@ -11,26 +11,35 @@ Records (required fields; `step` / `phase` are the step number and phase when th
 - `meta` (first line): `version`, `rank`, `world_size`, `t0_ns` (perf_counter_ns when the file was
   opened), `t0_unix_ns` (time.time_ns() at the same moment), `settings` (`stage3_prefetch_bucket_size`,
   `stage3_max_live_parameters`, `offload_param` {device, buffer_count, buffer_size, max_in_cpu},
-  `offload_optimizer` {device, buffer_count, pipeline_read, pipeline_write}, `aio` {block_size,
-  queue_depth, intra_op_parallelism}), `raw_disk` ({read_gbps, write_gbps} per rank, or null).
+  `offload_optimizer` {device, buffer_count}, `aio` {block_size, queue_depth, intra_op_parallelism}),
+  `raw_disk` (what a direct-I/O probe of the swap directory measured, see `disk_probe`: {read_gbps,
+  write_gbps, probe_bytes, backend, path}, or null), optional `config` (the run's whole resolved config,
+  `InfinityConfig.to_dict()`: `gradient_clipping`, `fp16`, offload devices, budgets...).
 - `step`: `step`, `start_ns`, `end_ns` — written when the step ends (a crashed step has none).
 - `phase`: `step`, `phase`, `start_ns`, `end_ns` — one span of a phase; a step with gradient
   accumulation has several spans of "forward" and "backward".
 - `move`: `key`, `block`, `bytes`, `src`, `dst`, `start_ns`, `end_ns`, `step`, `phase` — bytes of one
   shard moved between tiers ("device", "host", "nvme"); moves of one tier pair may overlap (several
-  requests in flight).
-- `stall`: `block`, `start_ns`, `end_ns`, `waited_on`, `step`, `phase` — compute waiting for a block;
-  `waited_on` is a tier pair ("nvme->host", "host->device", ...), a collective op, or "pool".
+  requests in flight). `kind_of_key(key)` says whose bytes they are (MOVE_KINDS).
+- `stall`: `block`, `start_ns`, `end_ns`, `waited_on`, `step`, `phase` — the training thread (a block's
+  compute, or the optimizer step) waiting; `waited_on` is a WAIT_KINDS value: a tier pair
+  ("nvme->host": a disk read, "host->device": a copy to the device, ...), a collective op, or "pool".
 - `collective`: `op` ("all-gather", "reduce-scatter", "all-reduce", "broadcast"), `block`, `bytes`,
-  `start_ns`, `end_ns`, `step`, `phase`.
-- `compute`: `block`, `start_ns`, `end_ns`, `step`, `phase` — the compute span of a block.
+  `start_ns`, `end_ns`, `step`, `phase`. Never in a one-rank trace: a collective over one rank is a view.
+- `compute`: `block`, `start_ns`, `end_ns`, `step`, `phase` — the compute span of a block (forward,
+  backward) or, in the optimizer phase, of one shard's optimizer step.
 - `prefetch`: `block`, `issued_ns`, `step`, `phase` — a gather or load issued ahead of use.
 - `use`: `block`, `t_ns`, `ready`, `step`, `phase` — compute reached the block; `ready` is true when its
   weights were already there (prefetch hit rate = ready uses / uses).
 - `pool`: `pool` ("param", "optimizer", ...), `event` ("exhausted"), `wait_ns`, `t_ns`, `step` — a
   buffer pool had no free buffer and the caller waited `wait_ns`.
-- `live`: `tier`, `bytes`, `t_ns` — live bytes on a tier after a change (the writer repeats the
-  last known values at each step start, so every step carries its starting level).
+- `live`: `tier`, `bytes`, `t_ns` — live bytes on a tier (the store's `live_bytes(tier)`) after a change
+  (the writer repeats the last known values at each step start, so every step carries its starting level).
+- `held` (optional): `tier`, `holder`, `bytes`, `t_ns` — of the tier's live bytes, those held for
+  `holder` (HOLDERS) after a change.
+- `peak` (optional): `tier`, `bytes`, `step`, `t_ns` — the store's high-water mark of `tier` over step
+  `step` (reset at the step's start), written at the step's end: the reference the `live` series must reach.
+- `rss` (optional): `bytes`, `t_ns` — the process's resident set size, sampled at step and phase changes.
 - `queue` (optional): `stream` ("nvme-read", "nvme-write"), `depth` (requests in flight), `t_ns`.
 
 Per rank, spans of `compute` never overlap each other, nor do spans of `stall`, `step` or `phase`
@@ -51,6 +60,29 @@ POOL_EVENTS = ("exhausted",)
 TIER_PAIRS = tuple(f"{a}->{b}" for a in TIERS for b in TIERS if a != b)
 WAIT_KINDS = TIER_PAIRS + COLLECTIVE_OPS + ("pool",)
 
+# What a wait was on, in words; `wait_group(waited_on)` maps each WAIT_KINDS value to one of these.
+DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL = (
+    "disk read",
+    "disk write",
+    "host-to-device copy",
+    "device-to-host copy",
+    "collective",
+    "buffer pool",
+)
+WAIT_GROUPS = (DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL)
+
+# Whose bytes a move carries, from its store key's last part: ('h.0#0', 'param'), ('h.0#0', 'exp_avg').
+MOVE_KINDS = ("param", "optimizer", "grad", "other")
+_KEY_KINDS = {"param": "param", "grad": "grad"} | dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), "optimizer")
+
+# Who holds a tier's live bytes (`held` records).
+HOLDERS = ("param", "optimizer", "grad", "staging", "other")
+
+# The parts a phase's wall time is split into (see `breakdown`): the training thread computing, waiting
+# (a stall), or doing neither while I/O runs that nothing overlaps (serial I/O), or none of these (other).
+COMPUTE, STALL, SERIAL_IO, OTHER = "compute", "stall", "serial I/O", "other"
+PARTS = (COMPUTE, STALL, SERIAL_IO, OTHER)
+
 # Required fields per record type and the Python types their values must have.
 _SPAN = {"start_ns": int, "end_ns": int}
 _WHEN = {"step": int, "phase": str}
@@ -67,6 +99,9 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "pool": {"pool": str, "event": str, "wait_ns": int, "t_ns": int, "step": int},
     "live": {"tier": str, "bytes": int, "t_ns": int},
     "queue": {"stream": str, "depth": int, "t_ns": int},
+    "held": {"tier": str, "holder": str, "bytes": int, "t_ns": int},
+    "peak": {"tier": str, "bytes": int, "step": int, "t_ns": int},
+    "rss": {"bytes": int, "t_ns": int},
 }
 SPAN_TYPES = ("step", "phase", "move", "stall", "collective", "compute")
 
@@ -79,6 +114,32 @@ def trace_filename(rank: int) -> str:
 def tier_pair(src: str, dst: str) -> str:
     """The name of a tier pair as records and reports spell it: "nvme->host"."""
     return f"{src}->{dst}"
+
+
+def wait_group(waited_on: str) -> str:
+    """What a stall's `waited_on` was, in words: "disk read", "host-to-device copy", "collective", ..."""
+    if waited_on in COLLECTIVE_OPS:
+        return COLLECTIVE
+    if waited_on == "pool":
+        return POOL
+    src, _, dst = waited_on.partition("->")
+    if src == "nvme":
+        return DISK_READ
+    if dst == "nvme":
+        return DISK_WRITE
+    return TO_DEVICE if dst == "device" else TO_HOST
+
+
+def kind_of_key(key: str) -> str:
+    """Whose bytes a move of store key `key` (as written: "('h.0#0', 'exp_avg')") carries: a MOVE_KINDS value."""
+    last = key.rstrip(")]").rsplit(",", 1)[-1].strip(" '\"([")
+    return _KEY_KINDS.get(last, "other")
+
+
+def gather_source(settings: dict[str, Any]) -> str:
+    """The tier pair a one-rank gather waits on: the first move that brings a parameter shard toward compute."""
+    device = (settings.get("offload_param") or {}).get("device")
+    return "nvme->host" if device == "nvme" else "host->device"
 
 
 def settings_from_config(config: Any) -> dict[str, Any]:
@@ -97,8 +158,6 @@ def settings_from_config(config: Any) -> dict[str, Any]:
         "offload_optimizer": {
             "device": optim.device,
             "buffer_count": optim.buffer_count,
-            "pipeline_read": optim.pipeline_read,
-            "pipeline_write": optim.pipeline_write,
         },
         "aio": {
             "block_size": aio.block_size,

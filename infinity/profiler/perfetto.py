@@ -1,20 +1,25 @@
 """Chrome trace-event JSON of swap traces, for ui.perfetto.dev (or chrome://tracing).
 
-One process per rank (pid = rank); one thread track each for steps, phases, compute, stalls,
-collectives, every tier pair, buffer pools and prefetch/use marks; counter tracks for live bytes
-per tier and NVMe queue depths. Spans that overlap on one track (several moves in flight) are spread
-over extra lanes ("nvme->host #2", ...) because a track's slices must nest. Times are microseconds on
-the shared timeline of `traces.load_traces`.
+One process per rank (pid = rank); one thread track each for steps, phases (each slice's args carry
+its breakdown: compute, stall, serial I/O and other ms), compute, stalls (named by what they waited
+on), serial I/O (the times I/O ran and nothing else did), collectives, every tier pair, buffer pools
+and prefetch/use marks; counter tracks for NVMe read and write GB/s, live bytes per tier and per
+holder, the store's peaks, the process's RSS and NVMe queue depths. Spans that overlap on one track
+(several moves in flight) are spread over extra lanes ("nvme->host #2", ...) because a track's slices
+must nest. Times are microseconds on the shared timeline of `traces.load_traces`.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import os
 from typing import Any
 
-from infinity.profiler.format import tier_pair
+from infinity.profiler.breakdown import rank_steps, serial_io_spans
+from infinity.profiler.format import tier_pair, wait_group
+from infinity.profiler.plots import bandwidth_bins, origin_ns
 from infinity.profiler.traces import RankTrace, Record
 
 Event = dict[str, Any]
@@ -82,6 +87,35 @@ def _gbps(r: Record) -> float:
     return round(r["bytes"] / (r["end_ns"] - r["start_ns"]), 3) if r["end_ns"] > r["start_ns"] else 0.0
 
 
+def _phase_args(parts: dict, r: Record) -> dict[str, Any]:
+    """A phase slice's args: its step and phase, and its breakdown (of all its spans) in ms."""
+    p = parts.get((r["step"], r["phase"]))
+    if p is None:
+        return _when(r)
+    ms = {"compute": p.compute_ns, "stall": p.stall_total_ns, "serial I/O": p.serial_io_ns, "other": p.other_ns}
+    return {**_when(r), **{f"{k} ms (whole phase)": round(v / 1e6, 3) for k, v in ms.items()}}
+
+
+def _bandwidth_counters(trace: RankTrace, pid: int, bins: int = 400) -> list[Event]:
+    """NVMe read and write GB/s of one rank, in time bins (counter tracks)."""
+    width_s, series = bandwidth_bins([trace], bins)
+    origin = origin_ns([trace])
+    out = []
+    for name, pairs in (
+        ("NVMe read GB/s", ("nvme->host", "nvme->device")),
+        ("NVMe write GB/s", ("host->nvme", "device->nvme")),
+    ):
+        rows = [series[p] for p in pairs if p in series]
+        if not rows:
+            continue
+        for i in range(bins):
+            ts = (origin + i * width_s * 1e9) / 1000
+            out.append(
+                {"ph": "C", "name": name, "pid": pid, "ts": ts, "args": {"GB/s": round(sum(r[i] for r in rows), 3)}}
+            )
+    return out
+
+
 def chrome_trace(traces: list[RankTrace]) -> dict[str, Any]:
     """The trace-event JSON object of all ranks."""
     events: list[Event] = []
@@ -91,16 +125,19 @@ def chrome_trace(traces: list[RankTrace]) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
         tracks = _Tracks(pid, events)
         _spans(trace, tracks, "steps", trace.of("step"), lambda r: f"step {r['step']}", lambda r: {"step": r["step"]})
-        _spans(trace, tracks, "phases", trace.of("phase"), lambda r: r["phase"], _when)
+        parts = {(s.step, name): p for s in rank_steps(trace) for name, p in s.phases.items()}
+        _spans(trace, tracks, "phases", trace.of("phase"), lambda r: r["phase"], functools.partial(_phase_args, parts))
         _spans(trace, tracks, "compute", trace.of("compute"), lambda r: r["block"], _when)
         _spans(
             trace,
             tracks,
             "stalls",
             trace.of("stall"),
-            lambda r: f"stall {r['block']}",
+            lambda r: f"stall on {wait_group(r['waited_on'])}: {r['block']}",
             lambda r: {**_when(r), "waited_on": r["waited_on"]},
         )
+        serial = [{"type": "serial", "start_ns": s, "end_ns": e} for s, e in serial_io_spans(trace)]
+        _spans(trace, tracks, "serial I/O", serial, lambda r: "serial I/O", lambda r: {})
         _spans(
             trace,
             tracks,
@@ -146,16 +183,15 @@ def chrome_trace(traces: list[RankTrace]) -> dict[str, Any]:
                     "ts": trace.to_global(t) / 1000,
                 }
             )
-        for r in trace.of("live"):
+        counters = [(r["t_ns"], f"live {r['tier']} bytes", r["bytes"]) for r in trace.of("live")]
+        counters += [(r["t_ns"], f"held {r['tier']} {r['holder']} bytes", r["bytes"]) for r in trace.of("held")]
+        counters += [(r["t_ns"], f"store peak {r['tier']} bytes", r["bytes"]) for r in trace.of("peak")]
+        counters += [(r["t_ns"], "process RSS bytes", r["bytes"]) for r in trace.of("rss")]
+        for t, name, value in counters:
             events.append(
-                {
-                    "ph": "C",
-                    "name": f"live {r['tier']} bytes",
-                    "pid": pid,
-                    "ts": trace.to_global(r["t_ns"]) / 1000,
-                    "args": {"bytes": r["bytes"]},
-                }
+                {"ph": "C", "name": name, "pid": pid, "ts": trace.to_global(t) / 1000, "args": {"bytes": value}}
             )
+        events += _bandwidth_counters(trace, pid)
         for r in trace.of("queue"):
             events.append(
                 {

@@ -81,7 +81,7 @@ class RankTrace:
         series: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for r in self.of("live"):
             series[r["tier"]].append((r["t_ns"], r["bytes"]))
-        return {tier: sorted(points) for tier, points in series.items()}
+        return {tier: sorted(points, key=lambda p: p[0]) for tier, points in series.items()}  # ties: file order
 
     def pairs(self) -> list[str]:
         """The tier pairs this rank moved bytes between, in first-seen order."""

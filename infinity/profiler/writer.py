@@ -8,6 +8,10 @@ Bound and durability: at most `flush_every` records wait in memory; the buffer i
 when it fills, at every `end_step`, at `close()` and at interpreter exit, so a crashed run loses at
 most the last `flush_every - 1` records. All methods are thread-safe (the store records moves from
 its I/O threads). Times are `time.perf_counter_ns()`; methods that take a time default to now.
+
+One rank: a collective over one rank is a view, not communication, so a one-rank writer drops
+`collective` records and records a stall said to wait on a collective as waiting on the gather's
+first move (`format.gather_source`); the analysis refines stalls from the moves that ended in them.
 """
 
 from __future__ import annotations
@@ -22,16 +26,26 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from infinity.profiler.format import VERSION, trace_filename
+from infinity.profiler.format import COLLECTIVE_OPS, VERSION, gather_source, trace_filename
 
 now_ns = time.perf_counter_ns
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def block_of_key(key: Hashable) -> str:
-    """The default block name of a store key: the first item of a tuple key, else the key itself."""
-    if isinstance(key, tuple) and key:
-        return str(key[0])
-    return str(key)
+    """The default block name of a store key: the first item of a tuple key, else the key itself, without
+    the "#<param group>" suffix of a flat parameter's name ("h.0#1" -> "h.0"), as stalls name blocks."""
+    name = str(key[0]) if isinstance(key, tuple) and key else str(key)
+    return name.split("#", 1)[0] if "#" in name else name
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux /proc), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # Each record waits in memory as a tuple (type, *fields) and is encoded at flush with its template.
@@ -56,6 +70,9 @@ _layout("use", "$block", "t_ns", "!ready", "step", "$phase")
 _layout("pool", "$pool", "$event", "wait_ns", "t_ns", "step")
 _layout("live", "$tier", "bytes", "t_ns")
 _layout("queue", "$stream", "depth", "t_ns")
+_layout("held", "$tier", "$holder", "bytes", "t_ns")
+_layout("peak", "$tier", "bytes", "step", "t_ns")
+_layout("rss", "bytes", "t_ns")
 
 
 class TraceWriter:
@@ -63,8 +80,11 @@ class TraceWriter:
 
     Events are recorded from `begin_step(start_step)` until `end_step(end_step)`, including those
     between steps (tagged with the last step and phase). `block_of` names the block of a store key
-    for `record()`. `raw_disk` is {"read_gbps", "write_gbps"} one rank can get from its disk, or None.
-    Recording an event appends a tuple to a deque (no lock, no encoding); `flush` encodes and writes.
+    for `record()`. `raw_disk` is {"read_gbps", "write_gbps", ...} one rank can get from its disk (see
+    `disk_probe`), or None; `config` the run's resolved config as a dict (meta `config`), or None;
+    `device` the compute device's type ("cuda", "cpu"; meta `device`), or None.
+    `sample_rss`: record the process's RSS at every step and phase change. Recording an event appends a
+    tuple to a deque (no lock, no encoding); `flush` encodes and writes.
     """
 
     def __init__(
@@ -78,6 +98,9 @@ class TraceWriter:
         raw_disk: dict[str, float] | None = None,
         block_of: Callable[[Hashable], str] = block_of_key,
         flush_every: int = 256,
+        config: dict[str, Any] | None = None,
+        sample_rss: bool = False,
+        device: str | None = None,
     ) -> None:
         if end_step < start_step:
             raise ValueError(f"profiler end_step {end_step} is before start_step {start_step}; swap them")
@@ -85,6 +108,9 @@ class TraceWriter:
         self.path = os.path.join(os.fspath(path), trace_filename(rank))
         self.rank, self.step_window = rank, (start_step, end_step)
         self.block_of, self.flush_every = block_of, max(1, flush_every)
+        self.one_rank = world_size == 1
+        self.gather_source = gather_source(settings)  # what a one-rank gather waits on
+        self.sample_rss = sample_rss and rss_bytes() is not None
         self._file = open(self.path, "w", encoding="utf-8")  # lives until close()
         self._lock = threading.Lock()  # serializes flushes; recording itself takes no lock
         self._queue: deque[tuple] = deque()
@@ -110,6 +136,10 @@ class TraceWriter:
             "start_step": start_step,
             "end_step": end_step,
         }
+        if config is not None:
+            meta["config"] = config
+        if device is not None:
+            meta["device"] = device
         self._file.write(json.dumps(meta, separators=(",", ":")) + "\n")
         self._file.flush()
         atexit.register(self.close)
@@ -140,6 +170,7 @@ class TraceWriter:
         self._active = True
         for tier, nbytes in list(self._live.items()):  # each step carries its starting level
             self._put(("live", tier, nbytes, t))
+        self._sample_rss(t)
 
     def set_phase(self, phase: str, t_ns: int | None = None) -> None:
         """Close the current phase span and start `phase` ("forward", "backward", "optimizer")."""
@@ -149,6 +180,7 @@ class TraceWriter:
         t = now_ns() if t_ns is None else t_ns
         self._put(("phase", self._step, self._phase, self._phase_start_ns, t))
         self._phase, self._phase_start_ns = phase, t
+        self._sample_rss(t)
 
     def end_step(self, step: int | None = None, t_ns: int | None = None) -> None:
         """End the current step: write its phase and step spans and flush; stop after `end_step`."""
@@ -157,6 +189,7 @@ class TraceWriter:
         t = now_ns() if t_ns is None else t_ns
         self._put(("phase", self._step, self._phase, self._phase_start_ns, t))
         self._put(("step", self._step, self._step_start_ns, t))
+        self._sample_rss(t)
         self._phase_start_ns = t
         if (self._step if step is None else step) >= self.step_window[1]:
             self._active = False
@@ -202,13 +235,16 @@ class TraceWriter:
             )
 
     def stall(self, block: str, start_ns: int, end_ns: int, waited_on: str) -> None:
-        """Compute waited for `block` over [start_ns, end_ns] on `waited_on` ("nvme->host", "all-gather", ...)."""
+        """The training thread waited for `block` over [start_ns, end_ns] on `waited_on` ("nvme->host",
+        "all-gather", ...; see format.WAIT_KINDS). One rank: a collective wait is the gather's first move."""
         if self._active:
+            if self.one_rank and waited_on in COLLECTIVE_OPS:
+                waited_on = self.gather_source
             self._put(("stall", block, start_ns, end_ns, waited_on, self._step, self._phase))
 
     def collective(self, op: str, block: str, nbytes: int, start_ns: int, end_ns: int) -> None:
-        """A collective `op` of `nbytes` (this rank's output buffer) for `block`."""
-        if self._active:
+        """A collective `op` of `nbytes` (this rank's output buffer) for `block`; none at one rank."""
+        if self._active and not self.one_rank:
             self._put(("collective", op, block, nbytes, start_ns, end_ns, self._step, self._phase))
 
     def compute(self, block: str, start_ns: int, end_ns: int) -> None:
@@ -245,6 +281,22 @@ class TraceWriter:
         self._live[tier] = nbytes
         if self._active:
             self._put(("live", tier, nbytes, now_ns() if t_ns is None else t_ns))
+
+    def held(self, tier: str, holder: str, nbytes: int, t_ns: int | None = None) -> None:
+        """Of `tier`'s live bytes, `nbytes` are now held for `holder` (format.HOLDERS: "param", "staging", ...)."""
+        if self._active:
+            self._put(("held", tier, holder, nbytes, now_ns() if t_ns is None else t_ns))
+
+    def peak(self, tier: str, nbytes: int, t_ns: int | None = None) -> None:
+        """The store's high-water mark of `tier` over the current step (reset at its start) was `nbytes`."""
+        if self._active:
+            self._put(("peak", tier, nbytes, self._step, now_ns() if t_ns is None else t_ns))
+
+    def _sample_rss(self, t_ns: int) -> None:
+        if self.sample_rss:
+            nbytes = rss_bytes()
+            if nbytes is not None:
+                self._put(("rss", nbytes, t_ns))
 
     def queue(self, stream: str, depth: int, t_ns: int | None = None) -> None:
         """Stream `stream` ("nvme-read", "nvme-write") now has `depth` requests in flight."""
@@ -316,17 +368,36 @@ def open_trace_writer(
     rank: int,
     world_size: int,
     enabled: bool | None = None,
-    raw_disk: dict[str, float] | None = None,
+    raw_disk: dict[str, Any] | None = None,
+    probe_disk: bool = True,
 ) -> TraceWriter | None:
     """A writer for `config.profiler` (an `InfinityConfig`), or None when profiling is off.
 
-    `enabled` overrides `config.profiler.enabled` (the `--profile` flag passes True).
+    `enabled` overrides `config.profiler.enabled` (the `--profile` flag passes True). The meta line gets
+    the whole resolved config and, unless `raw_disk` is given, the speed of the NVMe swap directory as
+    a short direct-I/O probe measures it now (`disk_probe.probe_swap_directory`; null without NVMe).
     """
     from infinity.profiler.format import settings_from_config
 
     prof = config.profiler
     if not (prof.enabled if enabled is None else enabled):
         return None
+    if raw_disk is None and probe_disk:
+        from infinity.profiler.disk_probe import probe_swap_directory
+
+        raw_disk = probe_swap_directory(config, rank)
+    to_dict = getattr(config, "to_dict", None)
+    import torch
+
     return TraceWriter(
-        prof.path, rank, world_size, settings_from_config(config), prof.start_step, prof.end_step, raw_disk=raw_disk
+        prof.path,
+        rank,
+        world_size,
+        settings_from_config(config),
+        prof.start_step,
+        prof.end_step,
+        raw_disk=raw_disk,
+        config=to_dict() if to_dict is not None else None,
+        sample_rss=True,
+        device="cuda" if torch.cuda.is_available() else "cpu",  # as the engine chooses
     )

@@ -78,11 +78,15 @@ def all_knobs(block_elems: int, cpus: int | None = None) -> dict[str, Knob]:
 
 
 def applicable(resolved: dict[str, Any]) -> list[str]:
-    """The knobs that can matter for this config: buffer counts and aio only where NVMe is used."""
+    """The knobs that can matter for this config on one rank (as tune runs): the prefetch bucket only with
+    offloaded parameters (one rank keeps device-resident blocks in place: nothing is gathered), buffer
+    counts and aio only where NVMe is used. `effects.effective_knob` then drops the buffer counts where
+    the budget plan does not depend on them."""
     zero = resolved["zero_optimization"]
     param_nvme = zero["offload_param"]["device"] == "nvme"
     optim_nvme = zero["offload_optimizer"]["device"] == "nvme"
-    wanted = {PREFETCH: True, PARAM_BUFFERS: param_nvme, OPTIMIZER_BUFFERS: optim_nvme}
+    gathered = zero["offload_param"]["device"] != "none"
+    wanted = {PREFETCH: gathered, PARAM_BUFFERS: param_nvme, OPTIMIZER_BUFFERS: optim_nvme}
     wanted |= dict.fromkeys((QUEUE_DEPTH, BLOCK_SIZE, INTRA_OP), param_nvme or optim_nvme)
     return [name for name in ORDER if wanted[name]]
 
