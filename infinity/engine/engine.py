@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from infinity.comm import CommGroup, init_distributed
-from infinity.config import ConfigError, InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
-from infinity.engine.grad_reduction import reduce_block_grads
+from infinity.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.engine.grad_reduction import GradReducer, share_updated_partitions
 from infinity.engine.host_memory import limit_freed_memory
 from infinity.engine.memory_plan import plan_memory
 from infinity.engine.param_groups import plan_groups
@@ -60,12 +60,6 @@ def _check_model(model: nn.Module) -> None:
         check_materializable(model)
 
 
-def _check_stage(cfg: InfinityConfig) -> None:
-    stage = cfg.zero_optimization.stage
-    if stage != 3:
-        raise ConfigError(f"'zero_optimization.stage' is {stage}; infinity implements ZeRO stage 3 only: set it to 3")
-
-
 def apply_process_settings(placement: Placement) -> None:
     """Process-wide settings the placement calls for: CPU float hygiene, malloc's freed memory."""
     if placement.compute_device.type == "cpu":
@@ -82,7 +76,8 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 class InfinityEngine:
-    """A ZeRO-3 model: call it like the module, then `backward(loss)` and `step()`."""
+    """A ZeRO model (stage 3, or 1 and 2 with replicated parameters): call it like the module, then
+    `backward(loss)` and `step()`."""
 
     def __init__(
         self,
@@ -94,7 +89,6 @@ class InfinityEngine:
     ) -> None:
         _check_model(model)
         cfg = load_config(config)
-        _check_stage(cfg)
         device = compute_device()
         rank, world = init_distributed(device, cfg.zero_optimization.comm_timeout_s)
         self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
@@ -125,6 +119,7 @@ class InfinityEngine:
         )
         self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, self.shards, memory.optimizer_window)
         self.blocks, self.root, self.persistent = shard_model(model, plan, groups.group_of, self.shards, self.comm)
+        self.reducer = GradReducer(self.comm, self.optimizer, self.placement.grad_reduction, self.prof)
 
         self._client_optimizer = optimizer
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
@@ -176,7 +171,7 @@ class InfinityEngine:
     # -- gradients -----------------------------------------------------------------------------
 
     def _reduce_block_grads(self, block: ShardedBlock) -> None:
-        reduce_block_grads(block, self.comm, self.optimizer, self.is_gradient_accumulation_boundary(), self.prof)
+        self.reducer.reduce_block(block, self.is_gradient_accumulation_boundary())
 
     # -- the training API ----------------------------------------------------------------------
 
@@ -246,6 +241,7 @@ class InfinityEngine:
             coef = ShardedAdam.clip_coefficient(norm, clip)
         self.optimizer.step(grad_scale=coef / scale)
         self.optimizer.zero_grad()
+        share_updated_partitions(self.shards, self.prof)
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -5,10 +5,18 @@ owns them under one key scheme on the storage layer's tiers and gives the few ve
 needs; `registry` maps parameters to their flat without back-pointers on them.
 """
 
-from infinity.shards.policy import MallocTuning, Placement, StepperKind, offload_tier, resolve_placement
+from infinity.shards.policy import (
+    GradReduction,
+    MallocTuning,
+    Placement,
+    StepperKind,
+    offload_tier,
+    resolve_placement,
+)
 from infinity.shards.store import LentShard, Returned, ShardKind, ShardRecord, ShardStore
 
 __all__ = [
+    "GradReduction",
     "LentShard",
     "MallocTuning",
     "Placement",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.config import InfinityConfig
+from infinity.config import ConfigError, InfinityConfig
 from infinity.storage import Tier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +30,13 @@ class StepperKind(enum.Enum):
     NATIVE = "native"  # the native CPU Adam over state in host memory or streamed from NVMe
 
 
+class GradReduction(enum.Enum):
+    """How a block's gradients reach this rank's partition."""
+
+    REDUCE_SCATTER = "reduce-scatter"  # stages 2 and 3
+    ALL_REDUCE = "all-reduce"  # stage 1: the whole mean on every rank, this rank's slice kept
+
+
 class MallocTuning(enum.Enum):
     """How much freed memory glibc's malloc may keep (see `engine.host_memory`)."""
 
@@ -45,7 +52,9 @@ class Placement:
     compute_device: torch.device
     compute_dtype: torch.dtype
     world_size: int
-    param_home: Tier  # the compute-dtype shard between uses
+    stage: int  # ZeRO stage: 3 partitions parameters; 1 and 2 keep them replicated (and resident)
+    grad_reduction: GradReduction
+    param_home: Tier  # the compute-dtype shard between uses (stages 1-2: the whole replicated flat)
     gather_from: Tier  # where a gather reads the shard: the device tier, or host memory the CPU computes from
     optim_home: Tier  # fp32 master, Adam moments and the gradient accumulator
     params_resident: bool  # the full flat lives permanently where compute reads it; parameters are views of it
@@ -81,6 +90,16 @@ def resolve_placement(
     """The policy for `cfg` (batch sizes and "auto" already resolved) on this machine and world size."""
     z = cfg.zero_optimization
     dtype = _DTYPES[cfg.compute_dtype_name]
+    if z.stage not in (1, 2, 3):
+        raise ConfigError(
+            f"'zero_optimization.stage' is {z.stage}; infinity implements ZeRO stages 1, 2 and 3 "
+            "(stage 0 is plain data parallelism: use torch's DistributedDataParallel)"
+        )
+    if z.stage < 3 and z.offload_param.device != "none":
+        raise ConfigError(
+            f"'zero_optimization.offload_param.device' is {z.offload_param.device!r} with stage {z.stage}; "
+            "parameters are offloaded at stage 3 only: set the stage to 3, or remove offload_param"
+        )
     param_home = offload_tier(z.offload_param.device)
     optim_home = offload_tier(z.offload_optimizer.device)
     # On a CPU-only machine host memory is the compute's own, so a gather reads it in place; given its own
@@ -88,7 +107,9 @@ def resolve_placement(
     host_is_compute = compute_device.type == "cpu" and z.device_budget_bytes is None
     gather_from = Tier.HOST if host_is_compute and param_home is not Tier.DEVICE else Tier.DEVICE
     param_memory = memory_device(param_home, compute_device)
-    resident = world_size == 1 and param_memory is not None and param_memory == compute_device
+    in_compute_memory = param_memory is not None and param_memory == compute_device
+    # Stages 1-2 replicate the parameters on every rank; stage 3 keeps them whole only at one rank.
+    resident = in_compute_memory and (z.stage < 3 or world_size == 1)
     same_memory = param_memory == memory_device(optim_home, compute_device)
     master_is_param = dtype == torch.float32 and param_home is not Tier.NVME and same_memory
     stepper = StepperKind.TORCH if optim_home is Tier.DEVICE else StepperKind.NATIVE
@@ -100,10 +121,13 @@ def resolve_placement(
     malloc = MallocTuning.NONE
     if compute_device.type == "cpu" and Tier.NVME in (param_home, optim_home):
         malloc = MallocTuning.RETURN_TO_OS if z.host_budget_bytes is not None else MallocTuning.CAP_ARENAS
+    reduction = GradReduction.ALL_REDUCE if z.stage == 1 else GradReduction.REDUCE_SCATTER
     return Placement(
         compute_device=compute_device,
         compute_dtype=dtype,
         world_size=world_size,
+        stage=z.stage,
+        grad_reduction=reduction,
         param_home=param_home,
         gather_from=gather_from,
         optim_home=optim_home,

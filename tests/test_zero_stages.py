@@ -1,0 +1,161 @@
+"""ZeRO stages 1 and 2 against plain PyTorch, and checkpoints moving between stages.
+
+Stages 1 and 2 keep the parameters replicated and resident on every rank and partition the
+optimizer state (and, at stage 2, the gradients); after each step the updated partitions are
+all-gathered back into every rank's parameters. Tolerances are the engine matrix's
+(`test_engine_correctness`): both stages reduce every micro-batch, so they sum in plain PyTorch's order.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from dist import run_distributed
+from engine_cases import batches, ds_config, make_model, mean_over_ranks, reference_run, train_infinity
+from test_engine_correctness import assert_weights_close
+
+import infinity
+from infinity.config import ConfigError
+
+STEPS = 4
+MICRO_BS = 2
+
+
+def _stage_config(stage: int, optim: str, dtype: str, grad_accum: int, nvme_path: str, **extra) -> dict:
+    return ds_config(
+        micro_bs=MICRO_BS,
+        grad_accum=grad_accum,
+        offload_optimizer=optim,
+        dtype=dtype,
+        clip=1.0,
+        nvme_path=nvme_path,
+        extra_zero={"stage": stage, **extra},
+    )
+
+
+def _check(world: int, results: list[dict], grad_accum: int, dtype: str) -> None:
+    ref_losses, ref_state = reference_run(
+        "gpt", STEPS, MICRO_BS * world, grad_accum, 1.0, torch.bfloat16 if dtype == "bf16" else torch.float32
+    )
+    assert mean_over_ranks(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert_weights_close(results[0]["state"], ref_state, dtype)
+    for other in results[1:]:  # every rank's replicated parameters hold the same weights
+        for key, value in results[0]["state"].items():
+            assert torch.equal(other["state"][key], value)
+
+
+MATRIX = [
+    *itertools.product([1, 2], [2], ["none", "cpu", "nvme"], ["fp32", "bf16"], [1, 2]),
+    *itertools.product([1, 2], [1], ["none", "cpu", "nvme"], ["fp32", "bf16"], [2]),
+]
+
+
+@pytest.mark.parametrize("stage,world,optim,dtype,grad_accum", MATRIX)
+def test_stage_matches_plain_pytorch(tmp_path, stage, world, optim, dtype, grad_accum):
+    cfg = _stage_config(stage, optim, dtype, grad_accum, str(tmp_path))
+    results = run_distributed(train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    _check(world, results, grad_accum, dtype)
+    assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
+
+
+def resident_probe(stage: int) -> dict:
+    """Stages 1-2 on two ranks: every block is resident (nothing gathered, nothing prefetched)."""
+    cfg = _stage_config(stage, "cpu", "fp32", 1, "/unused")
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    data = batches("gpt", MICRO_BS, rank=engine.comm.rank, world_size=2)
+    for _ in range(2):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    out = {
+        "resident": [b.resident for b in (*engine.blocks, engine.root)],
+        "prefetches": engine.scheduler.prefetches_issued,
+        "stall_s": engine.scheduler.stall_s,
+    }
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_one_and_two_keep_parameters_resident_on_every_rank(stage):
+    for r in run_distributed(resident_probe, 2, stage):
+        assert all(r["resident"]) and r["prefetches"] == 0 and r["stall_s"] == 0.0
+
+
+def test_offloading_parameters_below_stage_three_is_refused_with_the_fix():
+    cfg = ds_config(micro_bs=MICRO_BS, offload_param="cpu", offload_optimizer="cpu", extra_zero={"stage": 2})
+    with pytest.raises(ConfigError, match=r"offload_param.device' is 'cpu' with stage 2.*set the stage to 3"):
+        infinity.initialize(model=make_model("gpt"), config=cfg)
+
+
+def test_stage_zero_is_refused_naming_ddp():
+    cfg = ds_config(micro_bs=MICRO_BS, extra_zero={"stage": 0})
+    with pytest.raises(ConfigError, match="stage' is 0.*DistributedDataParallel"):
+        infinity.initialize(model=make_model("gpt"), config=cfg)
+
+
+# -- checkpoints between stages --------------------------------------------------------------------------
+
+
+def train_and_save(save_dir: str, stage: int, steps: int) -> dict:
+    """Train `steps` steps at `stage` with a global batch of 4 rows, save; return the full weights."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _stage_config(stage, "cpu", "fp32", 1, "/unused", elastic_checkpoint=True)
+    cfg["train_micro_batch_size_per_gpu"] = 4 // world
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    data = batches("gpt", 4 // world, rank=rank, world_size=world)
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.save_checkpoint(save_dir, client_state={"step": steps})
+    full = engine.full_state_dict()
+    engine.close()
+    return {"full": full, "losses": losses}
+
+
+def load_and_train(save_dir: str, stage: int, steps: int) -> dict:
+    """A fresh engine (another seed) at `stage` loads the checkpoint and trains `steps` more."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _stage_config(stage, "cpu", "fp32", 1, "/unused", elastic_checkpoint=True)
+    cfg["train_micro_batch_size_per_gpu"] = 4 // world
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt", seed=9), config=cfg)
+    _, client = engine.load_checkpoint(save_dir)
+    loaded = engine.full_state_dict()
+    data = batches("gpt", 4 // world, rank=rank, world_size=world)
+    for _ in range(client["step"]):
+        next(data)
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {"loaded": loaded, "losses": losses, "state": engine.full_state_dict(), "steps": engine.global_steps}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("saved,loaded", [((2, 2), (3, 1)), ((3, 1), (2, 2))])
+def test_a_checkpoint_saved_at_one_stage_loads_at_another(tmp_path, saved, loaded):
+    (stage_a, world_a), (stage_b, world_b) = saved, loaded
+    before = run_distributed(train_and_save, world_a, str(tmp_path), stage_a, 2)
+    after = run_distributed(load_and_train, world_b, str(tmp_path), stage_b, 2)
+    ref_losses, ref_state = reference_run("gpt", 4, 4, 1, 1.0, torch.float32)
+    for r in after:
+        assert r["steps"] == 4
+        assert all(torch.equal(r["loaded"][k], v) for k, v in before[0]["full"].items())
+    # the per-rank losses are of each rank's rows: the global loss of a step is their mean
+    assert mean_over_ranks(before) + mean_over_ranks(after) == pytest.approx(ref_losses, rel=1e-5)
+    assert_weights_close(after[0]["state"], ref_state)
