@@ -195,3 +195,10 @@ def test_config_offers_exactly_these_formats():
     from infinity.config.sections import MOMENT_FORMATS
 
     assert MOMENT_FORMATS == moments.MOMENT_FORMATS
+
+
+def test_step_bytes_count_what_one_adam_pass_reads_and_writes():
+    n = 1000
+    assert moment_format("fp32").step_bytes(n) == 28 * n  # p r/w 8, g 4, m and v r/w 16
+    assert moment_format("bf16").step_bytes(n, grad_bytes=2, copy_bytes=2) == (8 + 2 + 2 + 8) * n
+    assert moment_format("8bit").step_bytes(n) == 16 * n + 2 * 8 * 4  # 4 blocks, two float32 scales each, r/w

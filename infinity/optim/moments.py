@@ -71,6 +71,12 @@ class MomentFormat:
         """Bytes both moments of a `numel`-element shard take, scales included (packed_views' size)."""
         return 2 * (numel * self.code_bytes + 4 * self.num_blocks(numel))
 
+    def step_bytes(self, numel: int, grad_bytes: int = 4, copy_bytes: int = 0) -> int:
+        """Bytes one native Adam pass over `numel` elements moves: fp32 p read and written, the grad
+        (`grad_bytes` per element) read, both moments and their scales read and written, and the
+        optional 16-bit copy of p (`copy_bytes` per element) written."""
+        return numel * (8 + grad_bytes + copy_bytes) + 2 * self.state_bytes(numel)
+
     def tensor_specs(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
         """State key -> (dtype, numel) of every tensor the format keeps, in packed order (scales first)."""
         specs: dict[str, tuple[torch.dtype, int]] = {}
