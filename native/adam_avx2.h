@@ -114,40 +114,68 @@ INF_AVX2 inline __m256 q8_decode_avx2(const uint8_t* codes, __m256 scale) {
     return _mm256_mul_ps(a, scale);
 }
 
-// Codes for x[j], j in [0, len), against a finite positive scale (q8_encode_scalar on 8 lanes).
+// The codes of 8 values (their float bits, in the low 8 bytes) against a finite positive scale,
+// given the random bits r.
+template <bool Signed>
+INF_AVX2 inline __m128i q8_codes8_avx2(__m256i bits, __m256 scale, __m256i r) {
+    using M = Q8Map<Signed>;
+    __m256i a = q8_magnitude_bits_avx2(_mm256_castsi256_ps(bits));
+    __m256 y = _mm256_div_ps(_mm256_castsi256_ps(a), scale);
+    __m256i u = _mm256_castps_si256(y);
+    __m256i r16 = Signed ? _mm256_srli_epi32(r, 16) : _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
+    __m256i dither = _mm256_slli_epi32(r16, 4);
+    __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, dither), 20),
+                                      _mm256_set1_epi32(int(M::kNormalOffset)));
+    __m256 shifted = _mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(M::kInvSubnormalStep)), _mm256_set1_ps(8.0f));
+    __m256i sub = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(shifted), dither), 20),
+                                   _mm256_set1_epi32(int(kSubnormalBase)));
+    __m256i is_normal = _mm256_cmpgt_epi32(u, _mm256_set1_epi32(int(M::kMinNormalBits - 1)));
+    __m256i code = _mm256_blendv_epi8(sub, normal, is_normal);
+    __m256i nonzero = _mm256_cmpgt_epi32(a, _mm256_setzero_si256());
+    if constexpr (Signed) {
+        __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+        code = _mm256_or_si256(code, _mm256_and_si256(sign, nonzero));
+    } else {
+        code = _mm256_max_epu32(code, _mm256_and_si256(nonzero, _mm256_set1_epi32(1)));
+    }
+    __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    return _mm_packus_epi16(words, words);
+}
+
+// The random bits of elements first + j .. first + j + 7 (lo32 of the index never wraps inside a block).
+INF_AVX2 inline __m256i q8_random8_avx2(int64_t first, int64_t j, uint32_t key) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i index = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(first + j))), lanes);
+    return mix32_avx2(_mm256_xor_si256(index, _mm256_set1_epi32(int(key))));
+}
+
+// Codes for x[j], j in [0, len), of one moment against a finite positive scale (q8_encode_scalar on 8 lanes).
 template <bool Signed>
 INF_AVX2 void q8_encode_avx2(const float* x, uint8_t* codes, int64_t first, int64_t len, float scale, uint32_t key) {
-    using M = Q8Map<Signed>;
     const __m256 scale_v = _mm256_set1_ps(scale);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t j = 0;
     for (; j + 8 <= len; j += 8) {
-        __m256i bits = _mm256_castps_si256(_mm256_load_ps(x + j));
-        __m256i a = q8_magnitude_bits_avx2(_mm256_castsi256_ps(bits));
-        __m256 y = _mm256_div_ps(_mm256_castsi256_ps(a), scale_v);
-        __m256i u = _mm256_castps_si256(y);
-        __m256i index = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(first + j))), lanes);
-        __m256i r = mix32_avx2(_mm256_xor_si256(index, _mm256_set1_epi32(int(key))));
-        __m256i r16 = Signed ? _mm256_srli_epi32(r, 16) : _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
-        __m256i dither = _mm256_slli_epi32(r16, 4);
-        __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, dither), 20),
-                                          _mm256_set1_epi32(int(M::kNormalOffset)));
-        __m256 shifted = _mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(M::kInvSubnormalStep)), _mm256_set1_ps(8.0f));
-        __m256i sub = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(shifted), dither), 20),
-                                       _mm256_set1_epi32(int(kSubnormalBase)));
-        __m256i is_normal = _mm256_cmpgt_epi32(u, _mm256_set1_epi32(int(M::kMinNormalBits - 1)));
-        __m256i code = _mm256_blendv_epi8(sub, normal, is_normal);
-        __m256i nonzero = _mm256_cmpgt_epi32(a, _mm256_setzero_si256());
-        if constexpr (Signed) {
-            __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
-            code = _mm256_or_si256(code, _mm256_and_si256(sign, nonzero));
-        } else {
-            code = _mm256_max_epu32(code, _mm256_and_si256(nonzero, _mm256_set1_epi32(1)));
-        }
-        __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j), _mm_packus_epi16(words, words));
+        __m128i c = q8_codes8_avx2<Signed>(_mm256_castps_si256(_mm256_load_ps(x + j)), scale_v,
+                                           q8_random8_avx2(first, j, key));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j), c);
     }
     q8_encode_scalar<Signed>(x, codes, first, j, len, scale, key);
+}
+
+// Both moments' codes in one loop, sharing the random bits (the common case: both scales usable).
+INF_AVX2 void q8_encode_pair_avx2(const float* m, const float* v, uint8_t* m_codes, uint8_t* v_codes, int64_t first,
+                                  int64_t len, float m_scale, float v_scale, uint32_t key) {
+    const __m256 m_scale_v = _mm256_set1_ps(m_scale), v_scale_v = _mm256_set1_ps(v_scale);
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256i r = q8_random8_avx2(first, j, key);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(m_codes + j),
+                         q8_codes8_avx2<true>(_mm256_castps_si256(_mm256_load_ps(m + j)), m_scale_v, r));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(v_codes + j),
+                         q8_codes8_avx2<false>(_mm256_castps_si256(_mm256_load_ps(v + j)), v_scale_v, r));
+    }
+    q8_encode_scalar<true>(m, m_codes, first, j, len, m_scale, key);
+    q8_encode_scalar<false>(v, v_codes, first, j, len, v_scale, key);
 }
 
 template <GradKind G, CopyKind C, bool L2>
@@ -181,9 +209,14 @@ INF_AVX2 void range_q8_avx2(const StepConsts& c, const Buffers& b, int64_t begin
             v_max_bits = std::max(v_max_bits, q8_magnitude_bits(v_new[j]));
         }
         const uint32_t key = q8_block_key(c, first);
-        if (q8_store_scale(m_max_bits, b.m_scale + block, m_codes + first, len))
+        const bool m_usable = q8_store_scale(m_max_bits, b.m_scale + block, m_codes + first, len);
+        const bool v_usable = q8_store_scale(v_max_bits, b.v_scale + block, v_codes + first, len);
+        if (m_usable && v_usable)
+            q8_encode_pair_avx2(m_new, v_new, m_codes + first, v_codes + first, first, len, b.m_scale[block],
+                                b.v_scale[block], key);
+        else if (m_usable)
             q8_encode_avx2<true>(m_new, m_codes + first, first, len, b.m_scale[block], key);
-        if (q8_store_scale(v_max_bits, b.v_scale + block, v_codes + first, len))
+        else if (v_usable)
             q8_encode_avx2<false>(v_new, v_codes + first, first, len, b.v_scale[block], key);
     }
     if constexpr (C != CopyKind::none) if (b.stream_copy) _mm_sfence();

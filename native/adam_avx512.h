@@ -109,38 +109,70 @@ INF_AVX512 inline __m512 q8_decode_avx512(const uint8_t* codes, __mmask16 k, __m
     return _mm512_mul_ps(a, scale);
 }
 
-// Codes for x[j], j in [0, len), against a finite positive scale (q8_encode_scalar on 16 lanes).
+// The codes of 16 values (their float bits) against a finite positive scale, given the random bits r.
+template <bool Signed>
+INF_AVX512 inline __m128i q8_codes16_avx512(__m512i bits, __m512 scale, __m512i r) {
+    using M = Q8Map<Signed>;
+    __m512i a = q8_magnitude_bits_avx512(_mm512_castsi512_ps(bits));
+    __m512 y = _mm512_div_ps(_mm512_castsi512_ps(a), scale);
+    __m512i u = _mm512_castps_si512(y);
+    __m512i r16 = Signed ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF));
+    __m512i dither = _mm512_slli_epi32(r16, 4);
+    __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, dither), 20),
+                                      _mm512_set1_epi32(int(M::kNormalOffset)));
+    __m512 shifted = _mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(M::kInvSubnormalStep)), _mm512_set1_ps(8.0f));
+    __m512i sub = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(shifted), dither), 20),
+                                   _mm512_set1_epi32(int(kSubnormalBase)));
+    __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(int(M::kMinNormalBits)));
+    __m512i code = _mm512_mask_blend_epi32(is_normal, sub, normal);
+    __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
+    if constexpr (Signed) {
+        __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+        code = _mm512_mask_or_epi32(code, nonzero, code, sign);
+    } else {
+        code = _mm512_mask_max_epu32(code, nonzero, code, _mm512_set1_epi32(1));
+    }
+    return _mm512_cvtepi32_epi8(code);
+}
+
+// The random bits of elements first + j .. first + j + 15 (lo32 of the index never wraps inside a block).
+INF_AVX512 inline __m512i q8_random16_avx512(int64_t first, int64_t j, uint32_t key) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i index = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first + j))), lanes);
+    return mix32_avx512(_mm512_xor_si512(index, _mm512_set1_epi32(int(key))));
+}
+
+// Codes for x[j], j in [0, len), of one moment against a finite positive scale (q8_encode_scalar on 16 lanes).
 template <bool Signed>
 INF_AVX512 void q8_encode_avx512(const float* x, uint8_t* codes, int64_t first, int64_t len, float scale,
                                  uint32_t key) {
-    using M = Q8Map<Signed>;
     const __m512 scale_v = _mm512_set1_ps(scale);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t j = 0; j < len; j += 16) {
         const __mmask16 k = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1u);
         __m512i bits = _mm512_castps_si512(_mm512_maskz_load_ps(k, x + j));
-        __m512i a = q8_magnitude_bits_avx512(_mm512_castsi512_ps(bits));
-        __m512 y = _mm512_div_ps(_mm512_castsi512_ps(a), scale_v);
-        __m512i u = _mm512_castps_si512(y);
-        __m512i index = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first + j))), lanes);
-        __m512i r = mix32_avx512(_mm512_xor_si512(index, _mm512_set1_epi32(int(key))));
-        __m512i r16 = Signed ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF));
-        __m512i dither = _mm512_slli_epi32(r16, 4);
-        __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, dither), 20),
-                                          _mm512_set1_epi32(int(M::kNormalOffset)));
-        __m512 shifted = _mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(M::kInvSubnormalStep)), _mm512_set1_ps(8.0f));
-        __m512i sub = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(shifted), dither), 20),
-                                       _mm512_set1_epi32(int(kSubnormalBase)));
-        __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(int(M::kMinNormalBits)));
-        __m512i code = _mm512_mask_blend_epi32(is_normal, sub, normal);
-        __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
-        if constexpr (Signed) {
-            __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
-            code = _mm512_mask_or_epi32(code, nonzero, code, sign);
-        } else {
-            code = _mm512_mask_max_epu32(code, nonzero, code, _mm512_set1_epi32(1));
-        }
-        _mm_mask_storeu_epi8(codes + j, k, _mm512_cvtepi32_epi8(code));
+        _mm_mask_storeu_epi8(codes + j, k, q8_codes16_avx512<Signed>(bits, scale_v, q8_random16_avx512(first, j, key)));
+    }
+}
+
+// Both moments' codes in one loop, sharing the random bits (the common case: both scales usable).
+INF_AVX512 void q8_encode_pair_avx512(const float* m, const float* v, uint8_t* m_codes, uint8_t* v_codes,
+                                      int64_t first, int64_t len, float m_scale, float v_scale, uint32_t key) {
+    const __m512 m_scale_v = _mm512_set1_ps(m_scale), v_scale_v = _mm512_set1_ps(v_scale);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+        const __m512i r = q8_random16_avx512(first, j, key);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + j),
+                         q8_codes16_avx512<true>(_mm512_castps_si512(_mm512_load_ps(m + j)), m_scale_v, r));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + j),
+                         q8_codes16_avx512<false>(_mm512_castps_si512(_mm512_load_ps(v + j)), v_scale_v, r));
+    }
+    if (j < len) {
+        const __mmask16 k = __mmask16((1u << (len - j)) - 1u);
+        const __m512i r = q8_random16_avx512(first, j, key);
+        _mm_mask_storeu_epi8(m_codes + j, k,
+                             q8_codes16_avx512<true>(_mm512_castps_si512(_mm512_maskz_load_ps(k, m + j)), m_scale_v, r));
+        _mm_mask_storeu_epi8(v_codes + j, k, q8_codes16_avx512<false>(
+                                                 _mm512_castps_si512(_mm512_maskz_load_ps(k, v + j)), v_scale_v, r));
     }
 }
 
@@ -175,9 +207,16 @@ INF_AVX512 void range_q8_avx512(const StepConsts& c, const Buffers& b, int64_t b
             step16_q8_avx512<G, C, L2, false>(c, b, first + j, __mmask16((1u << (len - j)) - 1u), m_scale, v_scale,
                                               m_new + j, v_new + j, m_max, v_max);
         const uint32_t key = q8_block_key(c, first);
-        if (q8_store_scale(uint32_t(_mm512_reduce_max_epu32(m_max)), b.m_scale + block, m_codes + first, len))
+        const bool m_usable = q8_store_scale(uint32_t(_mm512_reduce_max_epu32(m_max)), b.m_scale + block,
+                                             m_codes + first, len);
+        const bool v_usable = q8_store_scale(uint32_t(_mm512_reduce_max_epu32(v_max)), b.v_scale + block,
+                                             v_codes + first, len);
+        if (m_usable && v_usable)
+            q8_encode_pair_avx512(m_new, v_new, m_codes + first, v_codes + first, first, len, b.m_scale[block],
+                                  b.v_scale[block], key);
+        else if (m_usable)
             q8_encode_avx512<true>(m_new, m_codes + first, first, len, b.m_scale[block], key);
-        if (q8_store_scale(uint32_t(_mm512_reduce_max_epu32(v_max)), b.v_scale + block, v_codes + first, len))
+        else if (v_usable)
             q8_encode_avx512<false>(v_new, v_codes + first, first, len, b.v_scale[block], key);
     }
     if constexpr (C != CopyKind::none) if (b.stream_copy) _mm_sfence();

@@ -126,6 +126,8 @@ def test_8bit_zero_nan_infinite_huge_and_tiny_blocks_equal_reference(path, grad_
     g[blocks[3]][100] = float("inf")
     g[blocks[4]] = 1e-25  # v underflows to float32 subnormals: stored as zeros with scale 0
     g[blocks[5]] *= 1e-30  # tiny grads against an older, larger state
+    state["exp_avg_scale"][6] = 0.0  # the short last block: exp_avg stays zero, exp_avg_sq decays
+    g[blocks[6]] = 0.0
     g = g.to(grad_dtype)
     run_both(path, "8bit", n, grad_dtype, torch.bfloat16, state=state, grad_list=[g, g * 0.5, g * 2])
 
