@@ -202,3 +202,14 @@ def test_step_bytes_count_what_one_adam_pass_reads_and_writes():
     assert moment_format("fp32").step_bytes(n) == 28 * n  # p r/w 8, g 4, m and v r/w 16
     assert moment_format("bf16").step_bytes(n, grad_bytes=2, copy_bytes=2) == (8 + 2 + 2 + 8) * n
     assert moment_format("8bit").step_bytes(n) == 16 * n + 2 * 8 * 4  # 4 blocks, two float32 scales each, r/w
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_codec_works_chunk_by_chunk_with_the_same_result(name, monkeypatch):
+    x = wide_values(5 * Q8_BLOCK_ELEMS + 77, signed=name == "exp_avg")
+    whole_codes, whole_scale = encode(x, "8bit", name, step=3)
+    whole_values = decode(whole_codes, whole_scale, "8bit", name)
+    monkeypatch.setattr(moments, "_CHUNK_ELEMS", 2 * Q8_BLOCK_ELEMS)
+    codes, scale = encode(x, "8bit", name, step=3)
+    assert torch.equal(codes, whole_codes) and torch.equal(scale, whole_scale)
+    assert torch.equal(decode(codes, scale, "8bit", name), whole_values)

@@ -49,6 +49,7 @@ MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
 SCALE_NAMES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 Q8_BLOCK_ELEMS = 256
 _SMALLEST_NORMAL = 2.0**-126
+_CHUNK_ELEMS = 4096 * Q8_BLOCK_ELEMS  # the 8-bit codec's working size: bounds its temporaries
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,9 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def rounding_bits(step: int, numel: int) -> torch.Tensor:
-    """The 32 random bits (int64) of elements 0..numel-1 at `step` that the 8-bit rounding uses."""
-    index = torch.arange(numel, dtype=torch.int64)
+def rounding_bits(step: int, numel: int, first: int = 0) -> torch.Tensor:
+    """The 32 random bits (int64) of elements first..first+numel-1 at `step` that the 8-bit rounding uses."""
+    index = torch.arange(first, first + numel, dtype=torch.int64)
     step_mix = mix32(torch.tensor(step & _MASK32, dtype=torch.int64))
     return mix32((index & _MASK32) ^ mix32((index >> 32) ^ step_mix))
 
@@ -201,6 +202,14 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_8bit(x: torch.Tensor, name: str, step: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of x, a chunk of whole blocks at a time (temporaries: ~50 bytes per chunk element)."""
+    pieces = [_encode_8bit_chunk(x[i : i + _CHUNK_ELEMS], name, step, i) for i in range(0, x.numel(), _CHUNK_ELEMS)]
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    return torch.cat([c for c, _ in pieces]), torch.cat([s for _, s in pieces])
+
+
+def _encode_8bit_chunk(x: torch.Tensor, name: str, step: int | None, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.where(x.abs() < _SMALLEST_NORMAL, torch.zeros_like(x), x)
     blocks = _blocks(x)
     absmax = blocks.abs().amax(dim=1)  # NaN if the block holds one
@@ -210,7 +219,7 @@ def _encode_8bit(x: torch.Tensor, name: str, step: int | None) -> tuple[torch.Te
     if step is None:
         code = _nearest_magnitude_code(y, name)
     else:
-        bits = _blocks(rounding_bits(step, x.numel()))
+        bits = _blocks(rounding_bits(step, x.numel(), first))
         code = _stochastic_magnitude_code(y, name, bits >> 16 if name == "exp_avg" else bits & 0xFFFF)
     if name == "exp_avg":
         code = code | (blocks.signbit().long() << 7)
@@ -246,5 +255,11 @@ def decode(codes: torch.Tensor, scale: torch.Tensor | None, fmt: str | MomentFor
     codes = codes.flatten()
     if fmt.name != "8bit":
         return codes.float().clone() if fmt.name == "fp32" else codes.float()
-    values = _blocks(code_table(name)[codes.long()])
-    return (values * scale[:, None]).flatten()[: codes.numel()]
+    table, out = code_table(name), torch.empty(codes.numel())
+    for i in range(0, codes.numel(), _CHUNK_ELEMS):
+        chunk = codes[i : i + _CHUNK_ELEMS]
+        values = _blocks(table[chunk.long()])
+        first_block = i // Q8_BLOCK_ELEMS
+        values = values * scale[first_block : first_block + len(values), None]
+        out[i : i + chunk.numel()] = values.flatten()[: chunk.numel()]
+    return out
