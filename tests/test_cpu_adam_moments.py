@@ -290,3 +290,17 @@ def test_loading_a_state_with_missing_scales_names_the_param():
     del saved["state"][2]["exp_avg_sq_scale"]
     with pytest.raises(ValueError, match=r"state\[2\] \(param 2\): 8bit exp_avg_sq needs exp_avg_sq_scale"):
         CPUAdamW(_params(), moments="8bit").load_state_dict(saved)
+
+
+def test_a_pickled_copy_keeps_the_format_and_steps_like_the_original():
+    import pickle
+
+    params = _params()
+    opt = CPUAdamW(params, moments="8bit", num_threads=1)
+    _train(opt, params, 0, 2)
+    twin_params, twin = pickle.loads(pickle.dumps((params, opt)))
+    assert twin.moments.name == "8bit" and twin.num_threads == 1
+    _train(opt, params, 2, 2)
+    _train(twin, twin_params, 2, 2)
+    for a, b in zip(params, twin_params, strict=True):
+        assert_same_bits(b.detach(), a.detach(), "param")

@@ -227,7 +227,18 @@ class CPUAdam(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             _check_tensor(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p, (torch.float32,), None)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's pickled state plus our own settings (a copy steps like the original)."""
+        return {**super().__getstate__(), "num_threads": self.num_threads, "simd": self.simd,
+                "moments": self.moments.name}  # fmt: skip
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickling brings our settings; torch's load_state_dict calls this too, without them.
+        state = dict(state)
+        for key, default in (("num_threads", None), ("simd", None), ("moments", "fp32")):
+            if key in state or not hasattr(self, key):
+                setattr(self, key, state.pop(key, default))
+        self.moments = moment_format(self.moments)
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
