@@ -104,10 +104,13 @@ INF_AVX2 inline __m256 q8_decode_avx2(const uint8_t* codes, __m256 scale) {
     using M = Q8Map<Signed>;
     __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
     __m256i mag = Signed ? _mm256_and_si256(c, _mm256_set1_epi32(0x7F)) : c;
-    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20),
-                                                         _mm256_set1_epi32(int(M::kNormalOffset << 20))));
-    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(M::kSubnormalStep));
-    __m256 a = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+    __m256 a = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20),
+                                                    _mm256_set1_epi32(int(M::kNormalOffset << 20))));
+    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
+    if (!_mm256_testz_si256(is_sub, is_sub)) {  // codes 0-7: zero and the points below the smallest normal one
+        __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(M::kSubnormalStep));
+        a = _mm256_blendv_ps(a, sub, _mm256_castsi256_ps(is_sub));
+    }
     if constexpr (Signed)
         a = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a),
                                                  _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
@@ -124,13 +127,15 @@ INF_AVX2 inline __m128i q8_codes8_avx2(__m256i bits, __m256 scale, __m256i r) {
     __m256i u = _mm256_castps_si256(y);
     __m256i r16 = Signed ? _mm256_srli_epi32(r, 16) : _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
     __m256i dither = _mm256_slli_epi32(r16, 4);
-    __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, dither), 20),
-                                      _mm256_set1_epi32(int(M::kNormalOffset)));
-    __m256 shifted = _mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(M::kInvSubnormalStep)), _mm256_set1_ps(8.0f));
-    __m256i sub = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(shifted), dither), 20),
-                                   _mm256_set1_epi32(int(kSubnormalBase)));
-    __m256i is_normal = _mm256_cmpgt_epi32(u, _mm256_set1_epi32(int(M::kMinNormalBits - 1)));
-    __m256i code = _mm256_blendv_epi8(sub, normal, is_normal);
+    __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, dither), 20),
+                                    _mm256_set1_epi32(int(M::kNormalOffset)));
+    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(M::kMinNormalBits)), u);
+    if (!_mm256_testz_si256(is_sub, is_sub)) {  // rare for exp_avg_sq, whose normal points reach down to 2^-30
+        __m256 shifted = _mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(M::kInvSubnormalStep)), _mm256_set1_ps(8.0f));
+        __m256i sub = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(shifted), dither), 20),
+                                       _mm256_set1_epi32(int(kSubnormalBase)));
+        code = _mm256_blendv_epi8(code, sub, is_sub);
+    }
     __m256i nonzero = _mm256_cmpgt_epi32(a, _mm256_setzero_si256());
     if constexpr (Signed) {
         __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));

@@ -99,10 +99,11 @@ INF_AVX512 inline __m512 q8_decode_avx512(const uint8_t* codes, __mmask16 k, __m
     using M = Q8Map<Signed>;
     __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes));
     __m512i mag = Signed ? _mm512_and_si512(c, _mm512_set1_epi32(0x7F)) : c;
-    __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20),
-                                                         _mm512_set1_epi32(int(M::kNormalOffset << 20))));
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(M::kSubnormalStep));
-    __m512 a = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+    __m512 a = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20),
+                                                    _mm512_set1_epi32(int(M::kNormalOffset << 20))));
+    const __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8));
+    if (is_sub)  // codes 0-7: zero and the evenly spaced points below the smallest normal one
+        a = _mm512_mask_mul_ps(a, is_sub, _mm512_cvtepi32_ps(mag), _mm512_set1_ps(M::kSubnormalStep));
     if constexpr (Signed)
         a = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a),
                                                  _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
@@ -118,13 +119,15 @@ INF_AVX512 inline __m128i q8_codes16_avx512(__m512i bits, __m512 scale, __m512i 
     __m512i u = _mm512_castps_si512(y);
     __m512i r16 = Signed ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF));
     __m512i dither = _mm512_slli_epi32(r16, 4);
-    __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, dither), 20),
-                                      _mm512_set1_epi32(int(M::kNormalOffset)));
-    __m512 shifted = _mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(M::kInvSubnormalStep)), _mm512_set1_ps(8.0f));
-    __m512i sub = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(shifted), dither), 20),
-                                   _mm512_set1_epi32(int(kSubnormalBase)));
+    __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, dither), 20),
+                                    _mm512_set1_epi32(int(M::kNormalOffset)));
     __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(int(M::kMinNormalBits)));
-    __m512i code = _mm512_mask_blend_epi32(is_normal, sub, normal);
+    if (is_normal != 0xFFFF) {  // rare for exp_avg_sq, whose normal points reach down to 2^-30
+        __m512 shifted = _mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(M::kInvSubnormalStep)), _mm512_set1_ps(8.0f));
+        __m512i sub = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(shifted), dither), 20),
+                                       _mm512_set1_epi32(int(kSubnormalBase)));
+        code = _mm512_mask_blend_epi32(is_normal, sub, code);
+    }
     __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
     if constexpr (Signed) {
         __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));

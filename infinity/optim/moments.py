@@ -13,12 +13,13 @@ A shard of n elements keeps two moments, `exp_avg` (m, signed) and `exp_avg_sq` 
   two, so that rounding to it is integer arithmetic on the float's bits (vectorizable, and
   bit-identical on every SIMD path) instead of a search of a table:
     - exp_avg, signed: bit 7 sign, bits 6-3 exponent e, bits 2-0 fraction f (E4M3, bias 15):
-      (1 + f/8) * 2^(e-15) for e >= 1, f * 2^-17 for e == 0. 1.0 is 0x78; below 2^-18 rounds to 0.
-      These are exactly torch.float8_e4m3fn's values divided by 256.
+      (1 + f/8) * 2^(e-15) for e >= 1, f * 2^-17 for e == 0. 1.0 is 0x78, the smallest non-zero
+      point 2^-17. These are exactly torch.float8_e4m3fn's values divided by 256.
     - exp_avg_sq, unsigned: bits 7-3 exponent e, bits 2-0 fraction f (E5M3, bias 31):
       (1 + f/8) * 2^(e-31) for e >= 1, f * 2^-33 for e == 0. 1.0 is 0xF8. A positive value never
       gets code 0 (it takes code 1): a zero exp_avg_sq under a non-zero exp_avg would make the step
-      exp_avg / eps.
+      exp_avg / eps. Its range below the block's largest value, 2^-33, is about the square of
+      exp_avg's, as exp_avg_sq goes with the square of the gradient.
   Rounding. The Adam step rounds stochastically: y between code points a < b becomes b with
   probability (y - a) / (b - a), resolved to 1/65536 by 16 random bits, so that updates smaller than
   a gap are kept on average (rounded to nearest, exp_avg_sq's 0.1% steps at beta2 = 0.999 would all
@@ -30,7 +31,7 @@ A shard of n elements keeps two moments, `exp_avg` (m, signed) and `exp_avg_sq` 
   A value's decoded float is code_value * scale (one float32 multiply). Magnitudes below 2^-126
   (float32 subnormals) are stored as +0. A run holding a NaN or an infinity stores scale NaN and all
   codes 0: the whole run decodes to NaN, so damage is never silently repaired. A run of zeros stores
-  scale 0. In all: 2 bytes per element plus 8 bytes per run.
+  scale 0. In all: 2 bytes per element plus 8 bytes per run (1/32 byte per element).
 
 The state_dict of `CPUAdam` holds these tensors under `exp_avg`, `exp_avg_sq` and, for 8bit,
 `exp_avg_scale` and `exp_avg_sq_scale` (float32[num_blocks]). `packed_views` lays one shard's state
