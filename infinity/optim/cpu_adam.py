@@ -278,7 +278,6 @@ class CPUAdam(torch.optim.Optimizer):
                 state["step"] += 1
         return loss
 
-
     def _zero_moments(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         fmt = self.moments
         out = {name: torch.zeros_like(p, dtype=fmt.code_dtype, memory_format=torch.preserve_format)
@@ -310,6 +309,10 @@ def _saved_format(saved: dict[str, Any], where: str) -> MomentFormat:
     return moment_format(by_dtype[dtype])
 
 
+def _describe(t: Any) -> str:
+    return f"{t.dtype} tensor of {t.numel()} elements" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def _moments_in(fmt: MomentFormat, saved: dict[str, Any], p: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
     """The saved moments of param p, checked and converted to `fmt` (copies on the CPU, shaped like p)."""
     source = _saved_format(saved, where)
@@ -318,12 +321,12 @@ def _moments_in(fmt: MomentFormat, saved: dict[str, Any], p: torch.Tensor, where
         codes, scale = saved.get(name), saved.get(SCALE_NAMES[name])
         if not isinstance(codes, torch.Tensor) or codes.dtype != source.code_dtype or codes.numel() != p.numel():
             raise ValueError(f"{where}: {name} must be a {source.code_dtype} tensor of {p.numel()} elements "
-                             f"like exp_avg, got {codes!r:.80}")  # fmt: skip
+                             f"like exp_avg, got {_describe(codes)}")  # fmt: skip
         if source.block_elems is not None:
             blocks = source.num_blocks(p.numel())
             if not isinstance(scale, torch.Tensor) or scale.numel() != blocks:
                 raise ValueError(f"{where}: 8bit {name} needs {SCALE_NAMES[name]} with {blocks} elements, "
-                                 f"got {scale!r:.80}")  # fmt: skip
+                                 f"got {_describe(scale)}")  # fmt: skip
             scale = scale.detach().to("cpu", torch.float32).flatten()
         codes = codes.detach().to("cpu").flatten()
         if source == fmt:
