@@ -1,9 +1,10 @@
-// Native CPU Adam/AdamW over raw fp32 buffers, plus the streaming kernel that bounds it.
+// Native CPU Adam/AdamW over raw buffers (fp32 weights; fp32, bf16 or 8-bit moments), plus the
+// streaming kernel that bounds it.
 //
 // Python passes data pointers as integers and element counts; nothing here knows torch. The
 // caller has validated tensors (dtype, device, contiguity, lengths, overlap); this file validates
 // the scalars again, refuses an instruction set the CPU lacks, releases the GIL, and splits the
-// range over OpenMP threads in contiguous static chunks.
+// range over OpenMP threads in contiguous static chunks (whole 8-bit blocks each).
 #include <omp.h>
 #include <pybind11/pybind11.h>
 
@@ -22,8 +23,9 @@ namespace {
 // Below this many elements per thread the fork/join costs more than the work it shares.
 constexpr int64_t kMinElemsPerThread = 1 << 15;
 // Chunk boundaries on 64-element multiples keep every thread's vector stores whole cache lines,
-// for the fp32 arrays and the 16-bit copy alike.
+// for the fp32 arrays and the 16-bit copy alike; 8-bit moments need whole blocks per thread.
 constexpr int64_t kChunkAlignElems = 64;
+static_assert(kQ8BlockElems % kChunkAlignElems == 0, "an 8-bit block is whole cache lines of every array");
 constexpr unsigned kFtzDaz = 0x8040;  // MXCSR flush-to-zero | denormals-are-zero
 
 Isa parse_isa(const std::string& name) {
@@ -63,11 +65,18 @@ Kind parse_kind(const std::string& name, const char* arg, bool allow_none) {
     throw py::value_error(std::string(arg) + ": unsupported dtype '" + name + "'");
 }
 
+MomentKind parse_moments(const std::string& name) {
+    if (name == "fp32") return MomentKind::f32;
+    if (name == "bf16") return MomentKind::bf16;
+    if (name == "8bit") return MomentKind::q8;
+    throw py::value_error("moments must be 'fp32', 'bf16' or '8bit', got '" + name + "'");
+}
+
 // Runs fn(begin, end) over [0, n) on up to `threads` OpenMP threads, each thread taking one
 // contiguous chunk (the same split every call, so first-touch pages stay local). Workers adopt
 // the caller's FTZ/DAZ bits, so torch.set_flush_denormal(True) reaches them too.
 template <typename Fn>
-void parallel_chunks(int64_t n, int threads, Fn fn) {
+void parallel_chunks(int64_t n, int threads, Fn fn, int64_t align = kChunkAlignElems) {
     int64_t useful = std::max<int64_t>(1, n / kMinElemsPerThread);
     int nt = int(std::min<int64_t>(threads, useful));
     if (nt <= 1) {
@@ -79,7 +88,7 @@ void parallel_chunks(int64_t n, int threads, Fn fn) {
     {
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t chunk = (n + team - 1) / team;
-        chunk = (chunk + kChunkAlignElems - 1) / kChunkAlignElems * kChunkAlignElems;
+        chunk = (chunk + align - 1) / align * align;
         const int64_t begin = std::min(n, t * chunk), end = std::min(n, begin + chunk);
         const unsigned own_csr = _mm_getcsr();
         _mm_setcsr((own_csr & ~kFtzDaz) | (caller_csr & kFtzDaz));
@@ -116,30 +125,36 @@ StepConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
     c.bc2_sqrt = float(std::sqrt(1.0 - std::pow(beta2, steps)));
     c.eps = float(eps);
     c.neg_step_size = float(-(lr / (1.0 - std::pow(beta1, steps))));
+    c.step_mix = mix32(uint32_t(uint64_t(step)));
     return c;
 }
 
 void adam_step(uintptr_t p, uintptr_t g, uintptr_t m, uintptr_t v, uintptr_t copy, int64_t n,
                const std::string& grad_dtype, const std::string& copy_dtype, int64_t step, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
-               double grad_scale, const std::string& simd, int num_threads) {
+               double grad_scale, const std::string& simd, int num_threads, const std::string& moments,
+               uintptr_t m_scale, uintptr_t v_scale) {
     require(n >= 0, "n must be >= 0");
     require(num_threads >= 1, "num_threads must be >= 1, got " + std::to_string(num_threads));
     const Isa isa = checked_isa(simd);
     const auto gk = parse_kind<GradKind>(grad_dtype, "grad", false);
     const auto ck = parse_kind<CopyKind>(copy_dtype, "out_copy", true);
+    const MomentKind mk = parse_moments(moments);
     const StepConsts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
     if (n == 0) return;
     require(p && g && m && v, "null data pointer");
     require(ck == CopyKind::none || copy, "out_copy: null data pointer");
-    Buffers b{reinterpret_cast<float*>(p), reinterpret_cast<const void*>(g), reinterpret_cast<float*>(m),
-              reinterpret_cast<float*>(v), reinterpret_cast<void*>(copy), false};
+    require(mk != MomentKind::q8 || (m_scale && v_scale), "moments='8bit' needs both scale pointers");
+    Buffers b{reinterpret_cast<float*>(p), reinterpret_cast<const void*>(g), reinterpret_cast<void*>(m),
+              reinterpret_cast<void*>(v), reinterpret_cast<float*>(m_scale), reinterpret_cast<float*>(v_scale),
+              reinterpret_cast<void*>(copy), false};
     // Non-temporal stores only for the write-only copy, and only where every full-vector store
     // is aligned (chunk starts are 64-element multiples).
     b.stream_copy = ck != CopyKind::none && isa != Isa::scalar && copy % 32 == 0;
-    const RangeFn fn = pick_range_fn(isa, gk, ck, !adamw_mode && weight_decay != 0.0);
+    const RangeFn fn = pick_range_fn(isa, gk, ck, !adamw_mode && weight_decay != 0.0, mk);
+    const int64_t align = mk == MomentKind::q8 ? kQ8BlockElems : kChunkAlignElems;
     py::gil_scoped_release release;
-    parallel_chunks(n, num_threads, [&](int64_t begin, int64_t end) { fn(c, b, begin, end); });
+    parallel_chunks(n, num_threads, [&](int64_t begin, int64_t end) { fn(c, b, begin, end); }, align);
 }
 
 // ---------------------------------------------------------------- bandwidth reference
@@ -190,14 +205,16 @@ void stream_rw_kernel(uintptr_t p, uintptr_t g, uintptr_t m, uintptr_t v, int64_
 }  // namespace
 
 void register_adam(py::module_& m) {
-    auto sub = m.def_submodule("adam", "SIMD Adam/AdamW over raw fp32 buffers (pointers as integers)");
+    auto sub = m.def_submodule("adam", "SIMD Adam/AdamW over raw buffers (pointers as integers)");
     sub.def("step", &adam_step,
-            "One Adam/AdamW step over n elements in place: p, m, v fp32; g float32|bfloat16|float16; "
-            "copy receives p as bfloat16|float16 unless copy_dtype is 'none'.",
+            "One Adam/AdamW step over n elements in place: p fp32; g float32|bfloat16|float16; m, v in "
+            "the moments format (fp32|bf16|8bit, see infinity/optim/moments.py; 8bit also updates the "
+            "per-block scales m_scale, v_scale); copy receives p as bfloat16|float16 unless copy_dtype is 'none'.",
             py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("copy"), py::arg("n"),
             py::arg("grad_dtype"), py::arg("copy_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
             py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
-            py::arg("grad_scale"), py::arg("simd"), py::arg("num_threads"));
+            py::arg("grad_scale"), py::arg("simd"), py::arg("num_threads"), py::arg("moments") = "fp32",
+            py::arg("m_scale") = 0, py::arg("v_scale") = 0);
     sub.def("stream_rw_kernel", &stream_rw_kernel,
             "Bandwidth reference with Adam's access pattern: p += g, m += g, v += g (28 bytes/element).",
             py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("n"), py::arg("simd"),

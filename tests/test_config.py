@@ -115,6 +115,19 @@ def test_fp16_and_bf16_together_are_refused():
         load_config(_minimal(fp16={"enabled": True}, bf16={"enabled": True}))
 
 
+def test_compressed_moments_without_an_offloaded_optimizer_are_refused_by_key():
+    cfg = _minimal(zero_optimization={"offload_optimizer": {"moments": "8bit"}})
+    with pytest.raises(ConfigError, match=r"'zero_optimization\.offload_optimizer\.moments' is '8bit' but .*device"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match=r"moments' is 'int8'; allowed values: 'fp32', 'bf16', '8bit'"):
+        load_config(_minimal(zero_optimization={"offload_optimizer": {"device": "cpu", "moments": "int8"}}))
+    for device in ("cpu", "nvme"):
+        for moments in ("fp32", "bf16", "8bit"):
+            cfg = load_config(_minimal(zero_optimization={"offload_optimizer": {"device": device, "moments": moments}}))
+            assert cfg.zero_optimization.offload_optimizer.moments == moments
+    assert load_config(_minimal()).zero_optimization.offload_optimizer.moments == "fp32"
+
+
 def test_auto_where_it_has_no_meaning_is_refused_by_key():
     with pytest.raises(ConfigError, match=r"'steps_per_print' does not accept \"auto\""):
         load_config(_minimal(steps_per_print="auto"))

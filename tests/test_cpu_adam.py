@@ -1,7 +1,8 @@
 """Specification of the native CPU Adam/AdamW: torch's math, torch's state_dict, every SIMD path.
 
 Two references. (1) torch's single-tensor Adam formula run op for op with torch's own CPU kernels
-but a correctly rounded sqrt (numpy's): the native kernel must equal it bit for bit, on every path.
+but a correctly rounded sqrt (numpy's; `infinity.optim.adam_reference`): the native kernel must
+equal it bit for bit, on every path.
 (2) torch.optim.Adam/AdamW themselves: they differ from (1) only in sqrt, because torch's CPU
 sqrt (MKL VML) is off by one ulp for about a fifth of the inputs, so they get a tolerance (below).
 """
@@ -10,12 +11,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from infinity._native_loader import load_native
 from infinity.optim import CPUAdam, CPUAdamW, adam_step_flat, simd, supported_paths
+from infinity.optim.adam_reference import adam_formula_step as reference_step
 
 NATIVE = load_native()  # a missing native build fails the whole file; it never skips
 PATHS = supported_paths()
@@ -43,22 +44,6 @@ def torch_tolerance(steps: int, lr: float) -> dict[str, float]:
     they are bitwise equal whenever they do not depend on p (AdamW, or no decay).
     """
     return {"rtol": 2.0**-22, "atol": steps * lr * 2.0**-20}
-
-
-def reference_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale=1.0):
-    """torch's _single_tensor_adam (foreach=False, fused=False), op for op, with IEEE sqrt."""
-    g = g.float() * grad_scale
-    if weight_decay != 0:
-        if adamw_mode:
-            p.mul_(1 - lr * weight_decay)
-        else:
-            g = g.add(p, alpha=weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (torch.from_numpy(np.sqrt(v.numpy())) / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / bias_correction1))
 
 
 def random_state(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,9 +4,12 @@ Every contender steps its own buffers of the same size, in one process. The step
 interleaved: each round times one step of every contender (in a rotating order), so load from
 other processes falls on all of them alike; each figure is the median over the timed rounds, after
 warm-up rounds. Bandwidth counts 28 bytes per element (read p, g, m, v; write p, m, v), 30 with
-the bf16 copy-out. The last line printed is one JSON object.
+the bf16 copy-out. infinity is also timed with its compressed moment formats (`--moments`: bf16,
+8bit; the moments start at zero and the warm-up rounds fill them), each against the bytes that
+format moves (MomentFormat.step_bytes: 20 per element for bf16, about 16 for 8bit), as a fraction
+of the streaming limit's bandwidth. The last line printed is one JSON object.
 
-    python tools/bench_adam.py [--numel N] [--threads T] [--steps S] [--json]
+    python tools/bench_adam.py [--numel N] [--threads T] [--steps S] [--moments bf16,8bit] [--json]
 """
 
 import argparse
@@ -19,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from infinity._native_loader import load_native
-from infinity.optim import adam_step_flat, resolve_simd
+from infinity.optim import adam_step_flat, moment_format, resolve_simd
+from infinity.optim.moments import zero_state
 
 BYTES_PER_ELEM = 28
 BYTES_PER_ELEM_BF16_COPY = 30
@@ -108,6 +112,24 @@ def infinity_step(numel: int, seed: int, threads: int, simd: str, copy_dtype: to
     return step
 
 
+def infinity_moments_step(numel: int, seed: int, threads: int, simd: str, moments: str) -> Step:
+    """infinity with exp_avg/exp_avg_sq stored in `moments` (zero at first; the warm-up rounds fill them)."""
+    buf = adam_buffers(numel, seed)
+    del buf["m"], buf["v"]
+    state = zero_state(moments, numel)
+    count = [0]
+    beta1, beta2 = HYPER["betas"]
+
+    def step() -> None:
+        count[0] += 1
+        adam_step_flat(buf["p"], buf["g"], state["exp_avg"], state["exp_avg_sq"], step=count[0], lr=HYPER["lr"],
+                       beta1=beta1, beta2=beta2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
+                       num_threads=threads, simd=simd, moments=moments, exp_avg_scale=state.get("exp_avg_scale"),
+                       exp_avg_sq_scale=state.get("exp_avg_sq_scale"))  # fmt: skip
+
+    return step
+
+
 def stream_limit_step(numel: int, seed: int, threads: int, simd: str) -> Step:
     buf = adam_buffers(numel, seed)
     ptrs = [buf[k].data_ptr() for k in ("p", "g", "m", "v")]
@@ -120,7 +142,7 @@ def stream_limit_step(numel: int, seed: int, threads: int, simd: str) -> Step:
     return step
 
 
-def gbps(numel: int, ms: float, bytes_per_elem: int = BYTES_PER_ELEM) -> float:
+def gbps(numel: int, ms: float, bytes_per_elem: float = BYTES_PER_ELEM) -> float:
     return numel * bytes_per_elem / (ms * 1e-3) / 1e9
 
 
@@ -136,6 +158,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--simd", default=None, help="force a path (default: $INFINITY_SIMD or the best)")
     parser.add_argument("--no-foreach", action="store_true", help="skip torch foreach (the slow one)")
+    parser.add_argument("--moments", default="bf16,8bit", help="compressed moment formats to time ('' for none)")
     parser.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     args = parser.parse_args()
 
@@ -151,6 +174,9 @@ def main() -> None:
         "infinity_bf16_copy": infinity_step(n, 3, args.threads, simd, torch.bfloat16),
         "torch_fused_plus_cast": torch_step(n, 4, cast=True, fused=True),
     }
+    moment_formats = [moment_format(name).name for name in args.moments.split(",") if name]
+    for fmt in moment_formats:
+        contenders[f"infinity_moments_{fmt}"] = infinity_moments_step(n, 8, args.threads, simd, fmt)
     r: dict[str, object] = {"numel": n, "threads": args.threads, "simd": simd}
     try:
         contenders["torch_fused"] = torch_step(n, 5, fused=True)
@@ -181,11 +207,22 @@ def main() -> None:
     r["speedup_vs_torch"] = min(torch_times) / ms["infinity"] if torch_times else None
     r["speedup_vs_deepspeed"] = ratio(r["deepspeed_ms"], ms["infinity"])
     r["speedup_bf16_copy_vs_torch"] = ratio(r["torch_fused_plus_cast_ms"], ms["infinity_bf16_copy"])
+    r["moments"] = {"fp32": {"ms": ms["infinity"], "bytes_per_elem": BYTES_PER_ELEM, "gbps": r["infinity_gbps"],
+                             "fraction_of_limit": r["fraction_of_limit"]}}  # fmt: skip
+    for fmt in moment_formats:
+        fmt_ms = ms[f"infinity_moments_{fmt}"]
+        bytes_per_elem = moment_format(fmt).step_bytes(n) / n
+        fmt_gbps = gbps(n, fmt_ms, bytes_per_elem)
+        r["moments"][fmt] = {"ms": fmt_ms, "bytes_per_elem": bytes_per_elem, "gbps": fmt_gbps,
+                             "fraction_of_limit": fmt_gbps / r["limit_gbps"]}  # fmt: skip
 
     for name, value in ms.items():
         print(f"{name:24s} median {value:9.2f} ms   (min {min(times[name]):9.2f}, max {max(times[name]):9.2f})")
     print(f"limit {r['limit_gbps']:.1f} GB/s; infinity {r['infinity_gbps']:.1f} GB/s "
           f"= {r['fraction_of_limit']:.3f} of the limit")  # fmt: skip
+    for fmt, m in r["moments"].items():
+        print(f"moments {fmt:5s} {m['ms']:9.2f} ms  {m['bytes_per_elem']:5.2f} B/elem  {m['gbps']:6.1f} GB/s "
+              f"= {m['fraction_of_limit']:.3f} of the limit")  # fmt: skip
     print(f"speedup vs best torch {r['speedup_vs_torch']}, vs deepspeed {r['speedup_vs_deepspeed']}, "
           f"bf16 copy-out vs torch fused+cast {r['speedup_bf16_copy_vs_torch']}")  # fmt: skip
     print(json.dumps(r))

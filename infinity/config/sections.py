@@ -12,6 +12,7 @@ from infinity.config.params import optimizer_params, scheduler_params
 from infinity.config.schema import ConfigError, option
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+MOMENT_FORMATS = ("fp32", "bf16", "8bit")  # infinity.optim.moments.MOMENT_FORMATS (config imports no optim)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,20 @@ class OffloadOptimizerConfig:
     pipeline_write: bool = option(False)
     fast_init: bool = option(False)
     ratio: float = option(1.0, min_value=0.0, max_value=1.0)
+    moments: str = option(
+        "fp32",
+        choices=MOMENT_FORMATS,
+        doc="how Adam's exp_avg and exp_avg_sq are stored: fp32 (exact, 8 bytes/param), bf16 (4 bytes/param) "
+        "or 8bit (blockwise-quantized, about 2 bytes/param); bf16 and 8bit need device cpu or nvme",
+    )
+
+    def __post_init__(self) -> None:
+        if self.moments != "fp32" and self.device == "none":
+            raise ConfigError(
+                f"'zero_optimization.offload_optimizer.moments' is {self.moments!r} but "
+                "'zero_optimization.offload_optimizer.device' is 'none': compressed moments are stepped by the "
+                "native CPU Adam only; set the device to 'cpu' or 'nvme', or moments to 'fp32'"
+            )
 
 
 @dataclass(frozen=True)
