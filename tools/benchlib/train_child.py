@@ -3,9 +3,10 @@
 Builds the GPT (same seed on every rank), wraps it for the configuration, runs `warmup + steps`
 steps on the shipped corpus (rank r takes its slice of each global batch) and writes its record to
 `<record_dir>/rank<r>.json`: per-step times, loss, phases and counters, and its resident memory
-(VmRSS at start, after setup and after the steps; VmHWM after setup and at the end). A failure is
-written there as {"error", "traceback"}. The process then leaves with os._exit, skipping the
-interpreter's and the process group's teardown, which is not measured and on Gloo now and then aborts.
+(VmRSS after imports, after building the model, after setup and after the steps; VmHWM after setup
+and at the end). A failure is written there as {"error", "traceback"}. The process then leaves
+with os._exit, skipping the interpreter's and the process group's teardown: not measured, and on
+Gloo it now and then aborts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from benchlib.measure import peak_rss_bytes, rss_bytes
-from benchlib.trainers import CONFIGS, StepOptions, build_trainer
+from benchlib.trainers import CONFIGS, StepOptions, build_trainer, import_framework
 
 
 def build_model(spec: dict[str, Any]) -> torch.nn.Module:
@@ -55,6 +56,7 @@ def run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     if spec["batch"] % world:
         raise ValueError(f"global batch {spec['batch']} does not divide over {world} ranks")
     micro = spec["batch"] // world
+    import_framework(cfg)
     record: dict[str, Any] = {"rank": rank, "world": world, "rss_at_start_bytes": rss_bytes()}
     model = build_model(spec)
     record["model_params"] = sum(p.numel() for p in model.parameters())

@@ -20,6 +20,7 @@ frameworks' `gradient_clipping`, torch.nn.utils.clip_grad_norm_ for plain, DDP a
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -226,6 +227,15 @@ def _infinity(model: torch.nn.Module, cfg: TrainConfig, opts: StepOptions) -> Tr
         return out
 
     return Trainer(step, counters, engine.close)
+
+
+_MODULES = {"plain": "torch.optim", "ddp": "torch.nn.parallel", "fsdp2": "torch.distributed.fsdp",
+            "deepspeed": "deepspeed", "infinity": "infinity"}  # fmt: skip
+
+
+def import_framework(cfg: TrainConfig) -> None:
+    """Import `cfg`'s framework now, so that memory measured before the model is built includes its code."""
+    importlib.import_module(_MODULES[cfg.framework])
 
 
 BUILDERS = {"plain": _plain, "ddp": _ddp, "fsdp2": _fsdp2, "deepspeed": _deepspeed, "infinity": _infinity}
