@@ -8,6 +8,7 @@ configuration.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,11 +29,46 @@ _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_A
 _running: list[subprocess.Popen] = []
 
 
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # the name in parentheses may hold spaces
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL `root` and its descendants: torchrun starts each worker in a session of its own, so killing
+    its process group alone leaves them running. Stopped first, so that none is started or orphaned meanwhile."""
+    stopped: set[int] = set()
+    for _ in range(2):  # a second look catches a process started while the first list was stopped
+        for pid in _process_tree(root):
+            if pid not in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                stopped.add(pid)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def kill_running() -> None:
-    """Kill the process group of the configuration running now (from a signal handler)."""
+    """Kill the configuration running now, all its processes (from a signal handler)."""
     for proc in _running:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
 
 
 def free_port() -> int:
@@ -80,7 +116,7 @@ def run_configuration(spec: dict[str, Any], ranks: int, workdir: Path, timeout_s
 
     def on_timeout() -> None:
         timed_out.set()
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
 
     timer = threading.Timer(timeout_s, on_timeout)
     timer.start()
@@ -94,7 +130,7 @@ def run_configuration(spec: dict[str, Any], ranks: int, workdir: Path, timeout_s
     finally:
         timer.cancel()
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
         _running.remove(proc)
         records = [json.loads(p.read_text()) for p in sorted(record_dir.glob("rank*.json"))]
