@@ -149,11 +149,12 @@ def count_llama_params(cfg: LlamaConfig) -> int:
     return 2 * cfg.vocab_size * C + cfg.n_layer * layer + C
 
 
-# Shapes of Llama 7B and OpenLLaMA 3B with a byte vocabulary (256): 7b has 6,478,368,768 parameters
+# Shapes of Llama 7B, OpenLLaMA 3B and TinyLlama 1.1B with a byte vocabulary (256): 7b has 6,478,368,768 parameters
 # (Llama 7B's 6.74e9 less its 32,000-token embeddings); take n_layer=34 for more than 6.7e9.
 LLAMA_PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64),
     "small": LlamaConfig(block_size=128, n_layer=6, n_head=4, n_embd=128, ffn_hidden=344),
+    "1b": LlamaConfig(block_size=2048, n_layer=22, n_head=32, n_embd=2048, ffn_hidden=5632),
     "3b": LlamaConfig(block_size=2048, n_layer=26, n_head=32, n_embd=3200, ffn_hidden=8640),
     "7b": LlamaConfig(block_size=2048, n_layer=32, n_head=32, n_embd=4096),
 }
