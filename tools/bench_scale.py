@@ -1,72 +1,81 @@
-"""Out-of-core scale benchmark: a GPT of `--params` parameters trained with all its state on NVMe.
+"""Out-of-core scale benchmark: a model of `--params` parameters trained with all its state on NVMe, against an
+honest bound: the fewest bytes the step must move at fio's bandwidth measured in the same run.
 
 What it measures, in one process (world size 1, the CPU as the compute device when there is no GPU):
 
-1. The disk's raw bandwidth: fio, sequential direct-I/O write then read of one file (`--fio-gib`,
-   1 MiB blocks, libaio, `--fio-iodepth`) in a scratch folder on the NVMe path; once before the
-   model is built and once after it is closed. The bound below uses the faster of the two runs.
-2. The model: a GPT (infinity.models.gpt) of about `--params` parameters, built under `infinity.Init`
-   (meta device) and materialized block by block by `infinity.initialize` with offload_param and
-   offload_optimizer both on NVMe and `zero_optimization.host_budget_bytes` = `--host-budget-gib`.
-   Shape: the preset whose count is within 10% of the target, else the nearest preset's width with
-   n_layer scaled to the target. The exact count is reported.
-3. Training: one warm-up step, then `--steps` timed steps (forward, backward, optimizer step) on
-   random byte tokens. Per step: wall time per phase, and the bytes the process read from and wrote
-   to the disk (`/proc/self/io` read_bytes / write_bytes deltas: direct I/O is counted there, the
-   page cache is not involved).
-4. Peak RSS: VmHWM of this process (not ru_maxrss), after initialization and after training; a side
-   thread samples VmRSS every 20 ms to say in which phase and call the peak was reached.
-5. The step's lower bound, bound_s = max(compute_s, io_s):
-   compute_s: forward+backward of ONE transformer Block of the same width in plain PyTorch, in memory,
-   same batch/seq/dtype, times n_layer, plus the embedding/final-norm/head/loss once (median of 5, in
-   a child process so its memory is not in the peak RSS; run before and after training, the faster kept);
-   io_s: bytes_read / raw_read + bytes_written / raw_write (reads and writes share one disk).
-   ratio_to_bound = step_s / bound_s. For information, the native CPU Adam over all parameters in
-   memory (adam_in_memory_s) and a bound that adds it to the compute (bound_with_adam_s) are given too.
+1. The disk: fio, sequential direct-I/O write then read of one file (`--fio-gib`, 1 MiB blocks,
+   libaio, `--fio-iodepth`) on the NVMe path, before the model is built and after it is closed; the
+   faster of the two runs, read and write apart.
+2. The model: Llama-shaped (`--arch llama`, the default: RMSNorm, SwiGLU, rotary positions; byte
+   vocabulary) or GPT (`--arch gpt`) of about `--params` parameters: the nearest preset's width with
+   n_layer set to come nearest the target (--params 7e9: Llama 7B's width, 35 layers, 7.09e9;
+   --params 3e9 --arch gpt: the 3b preset). Built under `infinity.Init` and materialized block by block by
+   `infinity.initialize` with offload_param and offload_optimizer on NVMe,
+   `zero_optimization.host_budget_bytes` = `--host-budget-gib`, `gradient_clipping` = `--clip`, bf16
+   with `--dtype bf16`, and `zero_optimization.offload_optimizer.moments` = `--moments` unless fp32
+   (an engine that refuses a setting has its error reported in the JSON).
+3. Training: one warm-up step, then `--steps` timed steps on random tokens. Per step: wall time per
+   phase, the bytes the process read from and wrote to the disk (/proc/self/io: direct I/O counts,
+   the page cache is not involved) and the engine's own counters (engine.bytes_moved, engine.stall_s).
+4. Memory: VmHWM of this process, after initialization and at the end; a side thread samples VmRSS
+   every 20 ms to say in which phase and call the peak was reached. Disk: the swap files' allocated
+   bytes after the timed steps.
+5. The bound (benchlib/scale_bound.py): the minimum bytes (optimizer state read and written once,
+   parameters read once for forward and, fused with the step's state read, once for backward, no
+   gradient traffic), io_s at fio's read and write bandwidth (additive, and io_s_overlap if reads and
+   writes overlapped), compute_s from one layer in plain PyTorch in memory (child process) x n_layer
+   + the head. bound_s = max(compute_s, io_s); ratio_to_bound = step_s / bound_s.
 
-Before anything it checks the free disk (16 B/param of fp32 master, moments and gradient, plus 4 B
-(fp32) or 2 B (bf16) per parameter for the parameter shards, plus fio's file, plus a margin) and
-refuses when it does not fit. The swap files live in `<nvme-path>/.bench-scale-<pid>/`, removed at
-the end, on errors and on SIGTERM/SIGINT; folders left by killed runs (dead pid) are removed at start.
+JSON (last line of stdout): params, step_s, peak_rss_bytes, disk_bytes_per_param (swap bytes on disk /
+params), moved_bytes_per_param_per_step ((read + written) / params, /proc/self/io, median step),
+ratio_to_bound, ratio_to_overlapped_bound, bound_s, io_s, io_s_overlap, compute_s, min_bytes (the
+bound's parts), min_disk_bytes_per_param, bytes_read / bytes_written, engine_bytes_moved, phases_s,
+per-step records, fio runs, and the settings. A run that fails prints {"error", ...} and exits 1.
+
+Before anything it checks the free disk against infinity.estimator's NVMe figure for the model (with
+the moments format when the estimator takes one; else fp32 moments, an upper bound) plus fio's file
+and a margin, and refuses when it does not fit. The swap files live in
+`<nvme-path>/.bench-scale-<pid>/`, removed at the end, on errors and on SIGTERM/SIGINT/SIGHUP; folders
+left by killed runs (dead pid) are removed at start.
 
 The process re-executes itself with MALLOC_MMAP_THRESHOLD_=1048576 (glibc otherwise keeps freed
 block-sized buffers in its heap and the RSS grows); `--malloc default` measures without it.
-`--gc-interval-s S` is a workaround for a reference cycle in the store (freed buffers live until
-Python's cyclic GC runs): gc.collect() every S seconds from a side thread, its cost reported.
+`--gc-interval-s S` runs gc.collect() every S seconds from a side thread, its cost reported.
 
-    python tools/bench_scale.py --params 3e9 --host-budget-gib 8 [--nvme-path DIR] [--steps N]
-                                [--seq 16] [--batch 1] [--bf16] [--clip 0] [--gc-interval-s 0.5] [--json]
+    python tools/bench_scale.py --params 3e9 --host-budget-gib 8 [--arch llama|gpt] [--dtype fp32|bf16]
+                                [--moments fp32|bf16|8bit] [--clip 1.0] [--nvme-path DIR] [--steps N] [--json]
 
-Progress goes to stderr; the last line of stdout is one JSON object.
+Develop with --params 1e8 or less. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
+import inspect
 import json
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from benchlib import scale_bound, shapes
+from benchlib.measure import disk_io, folder_bytes, peak_rss_bytes, raw_disk, rss_bytes
+from benchlib.scratch import install_signal_handlers, remove_stale_dirs, scratch_dir
+from benchlib.watch import PeriodicGC, RssWatch
 
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 MALLOC_TUNED = "1048576"
 GiB = 1 << 30
 DIR_PREFIX = ".bench-scale-"
 MARGIN_BYTES = 1 * GiB  # swap-file growth steps, slot alignment, the filesystem's own reserve
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 
 # -- process setup (before torch is imported: glibc reads its tunables when the process starts) --------------
 
@@ -74,7 +83,8 @@ MARGIN_BYTES = 1 * GiB  # swap-file growth steps, slot alignment, the filesystem
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, required=True, help="target parameter count, e.g. 3e9")
-    parser.add_argument("--preset", default=None, help="use this GPT preset as is instead of choosing by --params")
+    parser.add_argument("--arch", choices=shapes.ARCHS, default="llama")
+    parser.add_argument("--preset", default=None, help="this preset of --arch as is, not chosen by --params")
     parser.add_argument("--n-layer", type=int, default=None, help="override the chosen shape's n_layer")
     parser.add_argument("--host-budget-gib", type=float, default=8.0, help="zero_optimization.host_budget_bytes")
     parser.add_argument("--device-budget-gib", type=float, default=None, help="zero_optimization.device_budget_bytes")
@@ -82,32 +92,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument(
-        "--clip",
-        type=float,
-        default=0.0,
-        help="gradient_clipping; with it the optimizer waits for the global norm and streams after backward "
-        "instead of stepping each block as its gradient arrives",
-    )
-    parser.add_argument("--bf16", action="store_true", help="bf16 compute and parameter shards (fp32 by default)")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    parser.add_argument("--dtype", choices=tuple(COMPUTE_BYTES), default="fp32", help="compute and parameter shards")
+    parser.add_argument("--bf16", action="store_const", const="bf16", dest="dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--moments", choices=tuple(scale_bound.MOMENT_BYTES), default="fp32",
+                        help="zero_optimization.offload_optimizer.moments (fp32: the key is not set)")  # fmt: skip
     parser.add_argument("--aio", default="{}", help="aio section as JSON, e.g. '{\"queue_depth\": 32}'")
     parser.add_argument("--zero", default="{}", help="extra zero_optimization keys as JSON")
     parser.add_argument("--fio-gib", type=float, default=2.0, help="size of fio's file")
     parser.add_argument("--fio-iodepth", type=int, default=32)
     parser.add_argument("--no-fio", action="store_true", help="skip fio (no io bound, no ratio)")
-    parser.add_argument(
-        "--malloc",
-        choices=("tuned", "default"),
-        default="tuned",
-        help=f"tuned: re-exec with {MALLOC_ENV}={MALLOC_TUNED}; default: glibc's own",
-    )
-    parser.add_argument(
-        "--gc-interval-s",
-        type=float,
-        default=0.0,
-        help="workaround: run gc.collect() every this many seconds from a side thread (0: off). The store's "
-        "Copy objects hold their load job in a reference cycle, so freed buffers live until the cyclic GC runs",
-    )
+    parser.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                        help=f"tuned: re-exec with {MALLOC_ENV}={MALLOC_TUNED}; default: glibc's own")  # fmt: skip
+    parser.add_argument("--gc-interval-s", type=float, default=0.0,
+                        help="run gc.collect() every this many seconds from a side thread (0: off)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="stderr: progress only; stdout: the JSON line")
     parser.add_argument("--reference-child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -131,180 +129,39 @@ def log(message: str) -> None:
     print(f"[bench_scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM/SIGHUP/SIGINT raise SystemExit, so the `finally` blocks remove the swap files."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # keep nohup's SIGHUP ignored
-            signal.signal(sig, handler)
+# -- the run's pieces ------------------------------------------------------------------------------------------
 
 
-# -- measuring -------------------------------------------------------------------------------------------------
+def disk_need(arch: str, cfg: Any, compute_bytes: int, moments: str, fio_bytes: int) -> dict[str, Any]:
+    """Bytes the run needs on the NVMe path: infinity.estimator's swap figure, fio's file and a margin."""
+    from infinity.estimator import ModelSize, estimate
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set, VmHWM (ru_maxrss inherits a parent's peak across fork/exec)."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-
-class RssWatch:
-    """A daemon thread sampling VmRSS every `period_s`; keeps the largest sample and where the main thread was.
-
-    VmHWM gives the peak; this tells which phase and call reached it (the sample can miss a peak shorter
-    than the period, so it reads at most VmHWM).
-    """
-
-    def __init__(self, period_s: float = 0.02) -> None:
-        self.period_s = period_s
-        self.max_bytes = 0
-        self.where: list[str] = []
-        self.phase = "start"
-        self.per_phase: dict[str, int] = {}
-        self._main = threading.main_thread().ident
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-rss-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            rss = rss_bytes()
-            phase = self.phase
-            self.per_phase[phase] = max(self.per_phase.get(phase, 0), rss)
-            if rss > self.max_bytes:
-                self.max_bytes = rss
-                frame = sys._current_frames().get(self._main)
-                stack = traceback.extract_stack(frame)[-8:] if frame is not None else []
-                self.where = [f"{phase}"] + [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack]
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class PeriodicGC:
-    """A daemon thread calling gc.collect() every `interval_s` (the --gc-interval-s workaround); counts its time."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self.runs = 0
-        self.seconds = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-gc", daemon=True)
-        if interval_s > 0:
-            gc.freeze()  # the objects alive now (modules, torch's own) are never scanned again: collections stay cheap
-            self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            start = time.perf_counter()
-            gc.collect()
-            self.seconds += time.perf_counter() - start
-            self.runs += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-
-def disk_io() -> tuple[int, int]:
-    """(read_bytes, write_bytes) this process has caused to reach the block device, all threads included."""
-    values = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            values[name] = int(value)
-    return values["read_bytes"], values["write_bytes"] - values.get("cancelled_write_bytes", 0)
-
-
-def fio_gbps(path: Path, rw: str, size: int, iodepth: int) -> float:
-    """Sequential direct-I/O bandwidth of `path` (bytes/s / 1e9), 1 MiB blocks, libaio."""
-    cmd = [
-        "fio", "--name=raw", f"--filename={path}", f"--size={size}", "--bs=1M", "--direct=1", f"--rw={rw}",
-        "--ioengine=libaio", f"--iodepth={iodepth}", "--numjobs=1", "--output-format=json",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    job = json.loads(done.stdout)["jobs"][0]
-    return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
-
-
-def raw_disk(folder: Path, size: int, iodepth: int) -> dict[str, float]:
-    """fio write then read of one file in `folder`; the file is always removed."""
-    path = folder / "fio.bin"
-    try:
-        write = fio_gbps(path, "write", size, iodepth)
-        read = fio_gbps(path, "read", size, iodepth)
-    finally:
-        path.unlink(missing_ok=True)
-    return {"read_gbps": round(read, 3), "write_gbps": round(write, 3)}
-
-
-def median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-# -- the model -------------------------------------------------------------------------------------------------
-
-
-def choose_shape(target: float, preset: str | None, seq: int):
-    """(GPTConfig, how it was chosen): a preset within 10% of `target`, else the nearest one with n_layer scaled."""
-    from infinity.models.gpt import GPT_PRESETS, count_params, gpt_preset
-
-    if preset is not None:
-        cfg, how = gpt_preset(preset), f"preset {preset!r} as asked"
-    else:
-        names = [n for n in GPT_PRESETS if n not in ("tiny", "small", "gpt2-110m")]
-        name = min(names, key=lambda n: abs(math.log(count_params(GPT_PRESETS[n]) / target)))
-        cfg = GPT_PRESETS[name]
-        if abs(count_params(cfg) / target - 1) <= 0.10:
-            how = f"preset {name!r} (within 10% of the target)"
-        else:
-            per_layer = count_params(replace(cfg, n_layer=2)) - count_params(replace(cfg, n_layer=1))
-            fixed = count_params(replace(cfg, n_layer=1)) - per_layer
-            n_layer = max(1, round((target - fixed) / per_layer))
-            cfg = replace(cfg, n_layer=n_layer)
-            how = f"preset {name!r}'s width (n_embd={cfg.n_embd}, n_head={cfg.n_head}) with n_layer scaled to {n_layer}"
-    if seq > cfg.block_size:
-        cfg = replace(cfg, block_size=seq)
-    return cfg, how
-
-
-def disk_need(params: int, itemsize: int, fio_bytes: int) -> dict[str, int]:
-    optimizer = 16 * params  # fp32 master, exp_avg, exp_avg_sq, gradient
-    shards = itemsize * params  # the parameter shards in the compute dtype
+    size = ModelSize(shapes.count(arch, cfg), shapes.largest_block_params(arch, cfg))
+    if moments == "fp32" or "moments" in inspect.signature(estimate).parameters:
+        swap = estimate(size, "nvme", "nvme", dtype_bytes=compute_bytes, **({} if moments == "fp32" else
+                        {"moments": moments})).nvme_bytes  # fmt: skip
+        how = f"infinity.estimator, moments {moments}"
+    else:  # an estimator that predates compressed moments: fp32 moments, the most they take
+        swap = estimate(size, "nvme", "nvme", dtype_bytes=compute_bytes).nvme_bytes
+        how = f"infinity.estimator with fp32 moments (it takes no moments= yet): an upper bound for {moments}"
     return {
-        "optimizer_state_bytes": optimizer,
-        "param_shard_bytes": shards,
+        "swap_bytes": swap,
         "fio_bytes": fio_bytes,
         "margin_bytes": MARGIN_BYTES,
-        "total_bytes": optimizer + shards + fio_bytes + MARGIN_BYTES,
+        "total_bytes": swap + fio_bytes + MARGIN_BYTES,
+        "swap_estimate": how,
     }
 
 
 def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
+    offload_optimizer: dict[str, Any] = {"device": "nvme", "nvme_path": str(nvme_dir)}
+    if args.moments != "fp32":
+        offload_optimizer["moments"] = args.moments
     zero = {
         "stage": 3,
-        "block_classes": ["Block"],
+        "block_classes": [shapes.BLOCK_CLASS[args.arch]],
         "offload_param": {"device": "nvme", "nvme_path": str(nvme_dir)},
-        "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_dir)},
+        "offload_optimizer": offload_optimizer,
         "host_budget_bytes": int(args.host_budget_gib * GiB),
         "device_budget_bytes": None if args.device_budget_gib is None else int(args.device_budget_gib * GiB),
         **json.loads(args.zero),
@@ -316,7 +173,7 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "aio": json.loads(args.aio),
-        "bf16": {"enabled": bool(args.bf16)},
+        "bf16": {"enabled": args.dtype == "bf16"},
     }
 
 
@@ -329,92 +186,21 @@ def token_batches(batch: int, seq: int, vocab: int) -> Iterator[tuple[Any, Any]]
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-# -- the in-memory reference: compute of the same blocks, and Adam ---------------------------------------------
-
-
-def block_fwd_bwd_s(cfg, batch: int, seq: int, dtype, reps: int) -> tuple[float, int]:
-    """(median seconds of forward+backward of one Block in plain PyTorch, the Block's parameter count)."""
-    import torch
-
-    from infinity.models.gpt import Block
-
-    torch.manual_seed(0)
-    block = Block(cfg).to(dtype)
-    x = torch.randn(batch, seq, cfg.n_embd, dtype=dtype, requires_grad=True)
-    grad_out = torch.randn(batch, seq, cfg.n_embd, dtype=dtype)
-
-    def step() -> None:
-        block(x).backward(grad_out)
-        block.zero_grad(set_to_none=True)  # the engine's gradients are fresh buffers each backward too
-        x.grad = None
-
-    return median_time(step, reps), sum(p.numel() for p in block.parameters())
-
-
-def head_fwd_bwd_s(cfg, batch: int, seq: int, dtype, reps: int) -> float:
-    """Forward+backward of the embeddings, final norm, tied head and loss (a GPT with no layers)."""
-    import torch
-    import torch.nn.functional as F
-
-    from infinity.models.gpt import GPT
-
-    model = GPT(replace(cfg, n_layer=0)).to(dtype)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq))
-
-    def step() -> None:
-        logits, _ = model(idx)
-        F.cross_entropy(logits.float().view(-1, logits.size(-1)), idx.reshape(-1)).backward()
-        model.zero_grad(set_to_none=True)
-
-    return median_time(step, reps)
-
-
-def adam_s_per_elem(elems: int, dtype, reps: int) -> float:
-    """The native CPU AdamW (the engine's kernel) over `elems` fp32 elements in memory, per element."""
-    import torch
-
-    from infinity.optim.cpu_adam import adam_step_flat
-
-    master, grad, m, v = (torch.randn(elems) for _ in range(4))
-    v.abs_()
-    out = torch.empty(elems, dtype=dtype) if dtype != torch.float32 else None
-    steps = iter(range(1, 1 << 30))
-
-    def step() -> None:
-        adam_step_flat(
-            master, grad, m, v, step=next(steps), lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-            adamw_mode=True, out_copy=out,
-        )  # fmt: skip
-
-    return median_time(step, reps) / elems
-
-
-def compute_in_memory(cfg, batch: int, seq: int, dtype, reps: int = 5) -> dict[str, float]:
-    """The in-memory reference of the step's compute: one Block, the head, and Adam per element."""
-    block_s, block_elems = block_fwd_bwd_s(cfg, batch, seq, dtype, reps)
-    return {
-        "block_fwd_bwd_s": block_s,
-        "head_fwd_bwd_s": head_fwd_bwd_s(cfg, batch, seq, dtype, reps),
-        "block_elems": block_elems,
-        "adam_s_per_elem": adam_s_per_elem(block_elems, dtype, reps),
-    }
-
-
 def reference_child(spec: str) -> None:
-    """`--reference-child SPEC`: run compute_in_memory in this (child) process and print its JSON."""
+    """`--reference-child SPEC`: the in-memory compute reference in this (child) process; prints its JSON."""
     import torch
-
-    from infinity.models.gpt import GPTConfig
 
     torch.set_flush_denormal(True)
     job = json.loads(spec)
-    dtype = torch.bfloat16 if job["bf16"] else torch.float32
-    print(json.dumps(compute_in_memory(GPTConfig(**job["cfg"]), job["batch"], job["seq"], dtype)))
+    cfg = shapes.config_from_dict(job["arch"], job["cfg"])
+    dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
+    print(json.dumps(scale_bound.compute_in_memory(job["arch"], cfg, job["batch"], job["seq"], dtype)))
 
 
-def compute_reference(cfg, args: argparse.Namespace) -> dict[str, float]:
-    """compute_in_memory in a child process, so that its memory does not count in this process's peak RSS."""
-    spec = json.dumps({"cfg": dataclasses.asdict(cfg), "batch": args.batch, "seq": args.seq, "bf16": args.bf16})
+def compute_reference(cfg: Any, args: argparse.Namespace) -> dict[str, float]:
+    """The in-memory reference in a child process, so that its memory does not count in this process's peak."""
+    spec = json.dumps({"arch": args.arch, "cfg": shapes.describe(cfg), "batch": args.batch, "seq": args.seq,
+                       "dtype": args.dtype})  # fmt: skip
     cmd = [sys.executable, os.path.abspath(__file__), "--params", "0", "--reference-child", spec]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -422,68 +208,37 @@ def compute_reference(cfg, args: argparse.Namespace) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# -- the run ---------------------------------------------------------------------------------------------------
-
-
-def remove_stale_dirs(base: Path) -> None:
-    """Remove `.bench-scale-<pid>` folders whose process is gone (a run killed with SIGKILL)."""
-    for folder in base.glob(DIR_PREFIX + "*"):
-        try:
-            pid = int(folder.name[len(DIR_PREFIX) :])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            log(f"removing {folder}, left by a killed run (pid {pid})")
-            shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:
-            continue
-
-
-@contextmanager
-def scratch_dir(base: Path) -> Iterator[Path]:
-    folder = base / f"{DIR_PREFIX}{os.getpid()}"
-    folder.mkdir()
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        log(f"removed {folder}")
-
-
-def train(args: argparse.Namespace, cfg, nvme_dir: Path) -> dict[str, Any]:
+def train(args: argparse.Namespace, cfg: Any, nvme_dir: Path) -> dict[str, Any]:
     """Build under Init, initialize (materialize + offload), train; the engine is closed in every case."""
     import infinity
-    from infinity.models.gpt import GPT
 
     config = engine_config(args, nvme_dir)
     io_before = disk_io()
     watch = RssWatch()
     watch.phase = "init"
     start = time.perf_counter()
-    with infinity.Init(config=config):
-        model = GPT(cfg)
-    assert all(p.is_meta for p in model.parameters()), "infinity.Init did not build on the meta device"
-    engine, _, _, _ = infinity.initialize(model=model, config=config)
+    try:
+        with infinity.Init(config=config):
+            model = shapes.build(args.arch, cfg)
+        assert all(p.is_meta for p in model.parameters()), "infinity.Init did not build on the meta device"
+        params = sum(p.numel() for p in model.parameters())  # before the engine turns them into views of its shards
+        engine, _, _, _ = infinity.initialize(model=model, config=config)
+    except BaseException:
+        watch.stop()
+        raise
     collector = PeriodicGC(args.gc_interval_s)
     try:
         init_s = time.perf_counter() - start
-        params = sum(f.numel for f in engine.flats)
         init_io = [after - before for after, before in zip(disk_io(), io_before, strict=True)]
         log(f"initialized {params:,} parameters in {init_s:.1f} s; peak RSS so far {peak_rss_bytes() / GiB:.2f} GiB")
-        out: dict[str, Any] = {
-            "params": params,
-            "init_s": round(init_s, 2),
-            "peak_rss_after_init_bytes": peak_rss_bytes(),
-            "optimizer_window": engine.optimizer.window,
-        }
+        out: dict[str, Any] = {"params": params, "init_s": round(init_s, 2)}
+        out["peak_rss_after_init_bytes"] = peak_rss_bytes()
         data = token_batches(args.batch, args.seq, cfg.vocab_size)
         steps = []
         for i in range(1 + args.steps):
             x, y = next(data)
             moved0, stall0 = dict(engine.bytes_moved), engine.stall_s
-            io0 = disk_io()
-            t0 = time.perf_counter()
+            io0, t0 = disk_io(), time.perf_counter()
             watch.phase = f"step {i} forward"
             _, loss = engine(x, y)
             loss_value = loss.item()
@@ -495,7 +250,6 @@ def train(args: argparse.Namespace, cfg, nvme_dir: Path) -> dict[str, Any]:
             engine.step()
             io3, t3 = disk_io(), time.perf_counter()
             watch.phase = "between steps"
-            moved = {k: v - moved0.get(k, 0) for k, v in engine.bytes_moved.items() if v != moved0.get(k, 0)}
             record = {
                 "step_s": t3 - t0,
                 "forward_s": t1 - t0,
@@ -506,7 +260,8 @@ def train(args: argparse.Namespace, cfg, nvme_dir: Path) -> dict[str, Any]:
                 "read_by_phase": [io1[0] - io0[0], io2[0] - io1[0], io3[0] - io2[0]],
                 "written_by_phase": [io1[1] - io0[1], io2[1] - io1[1], io3[1] - io2[1]],
                 "stall_s": engine.stall_s - stall0,
-                "store_bytes_moved": moved,
+                "engine_bytes_moved": {k: v - moved0.get(k, 0) for k, v in engine.bytes_moved.items()
+                                       if v != moved0.get(k, 0)},  # fmt: skip
                 "loss": loss_value,
                 "rss_bytes": rss_bytes(),
                 "sampled_peak_rss_by_phase": [
@@ -514,17 +269,17 @@ def train(args: argparse.Namespace, cfg, nvme_dir: Path) -> dict[str, Any]:
                 ],
             }
             steps.append(record)
-            kind = "warm-up" if i == 0 else f"step {i}/{args.steps}"
             log(
-                f"{kind}: {record['step_s']:.2f} s (fwd {record['forward_s']:.2f}, bwd {record['backward_s']:.2f}, "
-                f"opt {record['optimizer_s']:.2f}), read {record['bytes_read'] / 1e9:.2f} GB, "
-                f"written {record['bytes_written'] / 1e9:.2f} GB, stall {record['stall_s']:.2f} s, "
-                f"loss {loss_value:.4f}, RSS {record['rss_bytes'] / GiB:.2f} GiB (peak {peak_rss_bytes() / GiB:.2f})"
+                f"{'warm-up' if i == 0 else f'step {i}/{args.steps}'}: {record['step_s']:.2f} s "
+                f"(fwd {record['forward_s']:.2f}, bwd {record['backward_s']:.2f}, opt {record['optimizer_s']:.2f}), "
+                f"read {record['bytes_read'] / 1e9:.2f} GB, written {record['bytes_written'] / 1e9:.2f} GB, "
+                f"stall {record['stall_s']:.2f} s, loss {loss_value:.4f}, RSS {record['rss_bytes'] / GiB:.2f} GiB "
+                f"(peak {peak_rss_bytes() / GiB:.2f})"
             )
+        out["swap_bytes_on_disk"] = folder_bytes(nvme_dir)
         out["peak_rss_bytes"] = peak_rss_bytes()
         out["sampled_peak_rss"] = {"bytes": watch.max_bytes, "where": watch.where}
         out["gc_workaround"] = {"interval_s": args.gc_interval_s, "runs": collector.runs, "seconds": collector.seconds}
-        out["store_stats"] = engine.store.stats()
         out["disk_io_during_init"] = {"read_bytes": init_io[0], "written_bytes": init_io[1]}
         out["steps"] = steps
         if not all(math.isfinite(s["loss"]) for s in steps):
@@ -536,141 +291,157 @@ def train(args: argparse.Namespace, cfg, nvme_dir: Path) -> dict[str, Any]:
         engine.close()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+# -- the run ---------------------------------------------------------------------------------------------------
 
-    from infinity.models.gpt import count_params
 
-    torch.set_flush_denormal(True)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    cfg, how = choose_shape(args.params, args.preset, args.seq)
+def choose_shape(args: argparse.Namespace) -> tuple[Any, str]:
+    from dataclasses import replace
+
+    cfg, how = shapes.choose_shape(args.arch, args.params, args.preset, args.seq)
     if args.n_layer is not None:
         cfg, how = replace(cfg, n_layer=args.n_layer), f"{how}, n_layer={args.n_layer} as asked"
-    expected = count_params(cfg)
-    log(f"model: GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head}, {expected:,} parameters ({how})")
+    return cfg, how
 
-    base = Path(args.nvme_path or Path(__file__).resolve().parent.parent).resolve()
-    if not base.is_dir():
-        raise SystemExit(f"--nvme-path {base} is not a folder")
-    remove_stale_dirs(base)
-    fio_bytes = 0 if args.no_fio else int(args.fio_gib * GiB)
-    need = disk_need(expected, dtype.itemsize, fio_bytes)
+
+def check_disk(base: Path, need: dict[str, Any], params: int) -> int:
+    """Free bytes at `base`; SystemExit naming what fits when `need` does not."""
     free = shutil.disk_usage(base).free
-    log(
-        f"disk: the run needs {need['total_bytes'] / 1e9:.1f} GB on {base} ({need['optimizer_state_bytes'] / 1e9:.1f} "
-        f"optimizer state + {need['param_shard_bytes'] / 1e9:.1f} parameter shards + {fio_bytes / 1e9:.1f} fio + "
-        f"{MARGIN_BYTES / 1e9:.1f} margin); {free / 1e9:.1f} GB free"
-    )
+    log(f"disk: the run needs {need['total_bytes'] / 1e9:.1f} GB on {base} ({need['swap_bytes'] / 1e9:.1f} swap "
+        f"[{need['swap_estimate']}] + {need['fio_bytes'] / 1e9:.1f} fio + {MARGIN_BYTES / 1e9:.1f} margin); "
+        f"{free / 1e9:.1f} GB free")  # fmt: skip
     if need["total_bytes"] > free:
-        most = (free - fio_bytes - MARGIN_BYTES) / (16 + dtype.itemsize)
+        most = (free - need["fio_bytes"] - MARGIN_BYTES) / (need["swap_bytes"] / params)
         raise SystemExit(
             f"not enough disk on {base}: the run needs {need['total_bytes'] / 1e9:.1f} GB, {free / 1e9:.1f} GB is "
             f"free; ask for fewer parameters (--params {max(most, 0):.3g} fits) or point --nvme-path at a bigger disk"
         )
+    return free
 
-    log("timing one block, the head and Adam in memory (child process)")
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_flush_denormal(True)
+    compute_bytes = COMPUTE_BYTES[args.dtype]
+    cfg, how = choose_shape(args)
+    expected = shapes.count(args.arch, cfg)
+    log(f"model: {args.arch} n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head}, {expected:,} parameters "
+        f"({how})")  # fmt: skip
+    base = Path(args.nvme_path or Path(__file__).resolve().parent.parent).resolve()
+    if not base.is_dir():
+        raise SystemExit(f"--nvme-path {base} is not a folder")
+    remove_stale_dirs(base, DIR_PREFIX)
+    fio_bytes = 0 if args.no_fio else int(args.fio_gib * GiB)
+    need = disk_need(args.arch, cfg, compute_bytes, args.moments, fio_bytes)
+    free = check_disk(base, need, expected)
+    from infinity.config import load_config
+
+    load_config(engine_config(args, base))  # a setting the engine refuses fails now, before fio and the reference
+
+    log("timing one layer, the head and Adam in memory (child process)")
     refs = [compute_reference(cfg, args)]
     load = [os.getloadavg()[0]]
-    out: dict[str, Any] = {}
-    with scratch_dir(base) as folder:
-        raw_runs = []
+    raw_runs: list[dict[str, float]] = []
+    with scratch_dir(base, DIR_PREFIX) as folder:
         if not args.no_fio:
             raw_runs.append(raw_disk(folder, fio_bytes, args.fio_iodepth))
             log(f"fio before: read {raw_runs[0]['read_gbps']} GB/s, write {raw_runs[0]['write_gbps']} GB/s")
         nvme_dir = folder / "swap"
         nvme_dir.mkdir()
-        out.update(train(args, cfg, nvme_dir))
+        out = train(args, cfg, nvme_dir)
         shutil.rmtree(nvme_dir, ignore_errors=True)
         if not args.no_fio:
             raw_runs.append(raw_disk(folder, fio_bytes, args.fio_iodepth))
             log(f"fio after: read {raw_runs[1]['read_gbps']} GB/s, write {raw_runs[1]['write_gbps']} GB/s")
-
     load.append(os.getloadavg()[0])
-    log("timing one block, the head and Adam in memory again")
+    log("timing one layer, the head and Adam in memory again")
     refs.append(compute_reference(cfg, args))
+    return summarize(args, cfg, how, out, refs, raw_runs, need, free, base, load)
+
+
+def summarize(args: argparse.Namespace, cfg: Any, how: str, out: dict[str, Any], refs: list[dict[str, float]],
+              raw_runs: list[dict[str, float]], need: dict[str, Any], free: int, base: Path,
+              load: list[float]) -> dict[str, Any]:  # fmt: skip
+    """The JSON record: measured figures beside the bound."""
+    import torch
+
     ref = {k: min(r[k] for r in refs) for k in refs[0]}  # the faster run: a lower bound
     params = out["params"]
     timed = out["steps"][1:] or out["steps"]
     step_s = statistics.median(s["step_s"] for s in timed)
     bytes_read = int(statistics.median(s["bytes_read"] for s in timed))
     bytes_written = int(statistics.median(s["bytes_written"] for s in timed))
+    pairs = sorted({k for s in timed for k in s["engine_bytes_moved"]})
     compute_s = cfg.n_layer * ref["block_fwd_bwd_s"] + ref["head_fwd_bwd_s"]
-    adam_s = ref["adam_s_per_elem"] * params
+    min_bytes = scale_bound.min_step_bytes(params, COMPUTE_BYTES[args.dtype], args.moments)
     result: dict[str, Any] = {
         "params": params,
-        "shape": {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "bias")},
+        "arch": args.arch,
+        "shape": shapes.describe(cfg),
         "shape_chosen": how,
-        "dtype": "bf16" if args.bf16 else "fp32",
+        "dtype": args.dtype,
+        "moments": args.moments,
+        "clip": args.clip,
         "batch": args.batch,
         "seq": args.seq,
         "timed_steps": len(timed),
         "step_s": round(step_s, 3),
         "peak_rss_bytes": out["peak_rss_bytes"],
         "peak_rss_gib": round(out["peak_rss_bytes"] / GiB, 3),
+        "disk_bytes_per_param": round(out["swap_bytes_on_disk"]["allocated"] / params, 3),
+        "min_disk_bytes_per_param": round(scale_bound.min_disk_bytes_per_param(COMPUTE_BYTES[args.dtype],
+                                                                               args.moments), 3),  # fmt: skip
+        "moved_bytes_per_param_per_step": round((bytes_read + bytes_written) / params, 3),
         "bytes_read": bytes_read,
         "bytes_written": bytes_written,
-        "bytes_read_per_param": round(bytes_read / params, 2),
-        "bytes_written_per_param": round(bytes_written / params, 2),
+        "engine_bytes_moved": {k: int(statistics.median(s["engine_bytes_moved"].get(k, 0) for s in timed))
+                               for k in pairs},  # fmt: skip
+        "min_bytes": min_bytes,
         "compute_s": round(compute_s, 3),
-        "compute_method": "one Block fwd+bwd in plain PyTorch (same width, batch, seq, dtype) x n_layer "
-        "+ embedding/ln_f/head/loss fwd+bwd once; median of 5, the faster of two runs (before and after training) "
-        "in a child process",
-        "adam_in_memory_s": round(adam_s, 3),
-        "bound_with_adam_s": None,
+        "compute_method": "one layer fwd+bwd in plain PyTorch (same width, batch, seq, dtype) x n_layer + "
+        "embeddings/final norm/head/loss fwd+bwd once; median of 5, the faster of two runs (before and after "
+        "training) in a child process",
+        "adam_in_memory_s": round(ref["adam_s_per_elem"] * params, 3),
+        "phases_s": {name: round(statistics.median(s[name] for s in timed), 3)
+                     for name in ("forward_s", "backward_s", "optimizer_s", "stall_s")},  # fmt: skip
         "init_s": out["init_s"],
         "peak_rss_after_init_bytes": out["peak_rss_after_init_bytes"],
         "sampled_peak_rss": out["sampled_peak_rss"],
         "gc_workaround": out["gc_workaround"],
-        "state_bytes": 16 * params,
+        "swap_bytes_on_disk": out["swap_bytes_on_disk"],
         "host_budget_bytes": int(args.host_budget_gib * GiB),
         "device_budget_bytes": None if args.device_budget_gib is None else int(args.device_budget_gib * GiB),
-        "optimizer_window": out["optimizer_window"],
         "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
-        "phases_s": {
-            name: round(statistics.median(s[name] for s in timed), 3)
-            for name in ("forward_s", "backward_s", "optimizer_s", "stall_s")
-        },
-        "steps": [
-            {k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in out["steps"]
-        ],  # steps[0] is the warm-up
-        "store_stats": out["store_stats"],
+        "steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in out["steps"]],
         "disk_io_during_init": out["disk_io_during_init"],
         "disk_need": need,
         "disk_free_bytes": free,
         "nvme_path": str(base),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "compute_ref_runs": [{k: round(v, 12) if isinstance(v, float) else v for k, v in r.items()} for r in refs],
+        "compute_ref_runs": refs,
         "loadavg_1min_before_after": [round(x, 2) for x in load],
     }
     if raw_runs:
-        raw_read = max(r["read_gbps"] for r in raw_runs) * 1e9
-        raw_write = max(r["write_gbps"] for r in raw_runs) * 1e9
-        io_s = bytes_read / raw_read + bytes_written / raw_write
-        bound_s = max(compute_s, io_s)
+        read_gbps = max(r["read_gbps"] for r in raw_runs)
+        write_gbps = max(r["write_gbps"] for r in raw_runs)
+        bound = scale_bound.io_bound(min_bytes["read_bytes"], min_bytes["write_bytes"], read_gbps, write_gbps)
+        moved = scale_bound.io_bound(bytes_read, bytes_written, read_gbps, write_gbps)
+        bound_s = max(compute_s, bound["io_s"])
+        overlapped_s = max(compute_s, bound["io_s_overlap"])
         result.update(
-            raw_read_gbps=round(raw_read / 1e9, 3),
-            raw_write_gbps=round(raw_write / 1e9, 3),
+            raw_read_gbps=read_gbps,
+            raw_write_gbps=write_gbps,
             raw_disk_runs=raw_runs,
-            fio={
-                "bs": "1M",
-                "iodepth": args.fio_iodepth,
-                "size_bytes": fio_bytes,
-                "direct": 1,
-                "rw": "seq write, read",
-            },
-            io_s=round(io_s, 3),
-            io_method="bytes_read / raw_read + bytes_written / raw_write (one disk: reads and writes add up)",
+            fio={"bs": "1M", "iodepth": args.fio_iodepth, "size_bytes": need["fio_bytes"], "direct": 1,
+                 "rw": "seq write, then read"},  # fmt: skip
+            io_s=round(bound["io_s"], 3),
+            io_s_overlap=round(bound["io_s_overlap"], 3),
             bound_s=round(bound_s, 3),
-            bound_by="io" if io_s >= compute_s else "compute",
+            bound_by="io" if bound["io_s"] >= compute_s else "compute",
             ratio_to_bound=round(step_s / bound_s, 3),
-            bound_with_adam_s=round(max(compute_s + adam_s, io_s), 3),
-            # If the disk read and wrote at full speed at once (it did in part here: the optimizer phase can beat
-            # the additive io_s), only the larger of the two counts: a looser bound, the ratio against it too.
-            io_s_if_rw_overlap=round(max(bytes_read / raw_read, bytes_written / raw_write), 3),
-            ratio_to_overlapped_bound=round(
-                step_s / max(compute_s, bytes_read / raw_read, bytes_written / raw_write), 3
-            ),
+            ratio_to_overlapped_bound=round(step_s / overlapped_s, 3),
+            io_s_of_bytes_moved=round(moved["io_s"], 3),  # the bytes actually moved, at fio's bandwidth
         )
     return result
 
@@ -685,8 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     if shutil.which("fio") is None and not args.no_fio:
         raise SystemExit("fio is not installed (apt-get install -y fio), or pass --no-fio to skip the io bound")
-    result = run(args)
-    summary = {k: result.get(k) for k in ("params", "dtype", "step_s", "bound_s", "bound_by", "ratio_to_bound")}
+    try:
+        result = run(args)
+    except Exception as exc:  # the engine refusing a setting, or failing: reported, not lost in a traceback
+        settings = {k: getattr(args, k) for k in ("params", "arch", "dtype", "moments", "clip", "host_budget_gib")}
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:],
+                          **settings}), flush=True)  # fmt: skip
+        log(f"failed: {type(exc).__name__}: {exc}")
+        return 1
+    summary = {k: result.get(k) for k in ("params", "dtype", "moments", "step_s", "bound_s", "ratio_to_bound")}
     log(f"done: {summary}, peak RSS {result['peak_rss_bytes'] / GiB:.2f} GiB")
     print(json.dumps(result), flush=True)
     return 0

@@ -1,0 +1,91 @@
+"""The benchmarks' own arithmetic (tools/benchlib): the out-of-core bound, rank merging, model shapes,
+and one run of tools/bench_train.py in which infinity trains like plain PyTorch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+
+from benchlib import scale_bound, shapes  # noqa: E402
+from benchlib.launch import merge_ranks  # noqa: E402
+
+from infinity.models.llama import Llama  # noqa: E402
+
+P = 1000
+
+
+def test_fp32_bound_reads_master_and_moments_once_and_writes_them_once():
+    got = scale_bound.min_step_bytes(P, compute_bytes=4, moments="fp32")
+    # by hand: forward reads 4 B params; backward + step read the fp32 master (= params) and m, v (4 + 4 + 4);
+    # the step writes master, m, v (12); no separate shard, no gradients
+    assert got["read_bytes"] == (4 + 12) * P and got["write_bytes"] == 12 * P
+    assert got["bytes_per_param"] == 28
+    assert got["unfused_read_bytes"] == (4 + 4 + 12) * P
+
+
+def test_bf16_bound_with_8bit_moments_writes_the_16_bit_shard_too():
+    got = scale_bound.min_step_bytes(P * 256, compute_bytes=2, moments="8bit")
+    n = P * 256
+    moments = 2 * n + 2 * 4 * (n // 256)  # one byte per element per moment, one fp32 scale per 256 per moment
+    assert got["read_bytes"] == 2 * n + 4 * n + moments
+    assert got["write_bytes"] == 4 * n + moments + 2 * n
+    assert got["parts"]["gradients"] == 0
+    assert scale_bound.min_disk_bytes_per_param(2, "8bit") == 4 + moments / n + 2
+
+
+def test_io_bound_adds_reads_and_writes_on_one_disk_and_overlap_takes_the_larger():
+    got = scale_bound.io_bound(2e9, 1e9, read_gbps=2.0, write_gbps=0.5)
+    assert got["io_s"] == pytest.approx(1.0 + 2.0)
+    assert got["io_s_overlap"] == pytest.approx(2.0)
+
+
+def _rank(rank: int, times: list[float], losses: list[float], rss: int) -> dict:
+    steps = [{"step_s": t, "loss": loss, "cpu_s": t, "forward_s": t / 4, "backward_s": t / 2, "optimizer_s": t / 4}
+             for t, loss in zip(times, losses, strict=True)]  # fmt: skip
+    record = {"rank": rank, "steps": steps, "threads": 1, "init_s": 1.0 + rank, "model_params": 10}
+    for key in ("rss_at_start_bytes", "rss_after_build_bytes", "rss_after_setup_bytes", "peak_rss_after_setup_bytes",
+                "rss_after_steps_bytes", "peak_rss_bytes"):  # fmt: skip
+        record[key] = rss
+    return record
+
+
+def test_a_step_lasts_as_long_as_its_slowest_rank_and_its_loss_is_the_ranks_mean():
+    spec = {"warmup": 1, "batch": 4, "seq": 8}
+    ranks = [_rank(0, [9.0, 1.0, 3.0, 2.0], [4.0, 3.0, 2.0, 1.0], 100),
+             _rank(1, [9.0, 2.0, 1.0, 2.5], [6.0, 5.0, 4.0, 3.0], 200)]  # fmt: skip
+    got = merge_ranks(ranks, spec)
+    assert got["step_times_s"] == [2.0, 3.0, 2.5]  # the warm-up left out
+    assert got["step_s"] == 2.5 and got["tokens_per_s"] == 4 * 8 / 2.5
+    assert got["losses"] == [5.0, 4.0, 3.0, 2.0]
+    assert got["peak_rss_bytes"] == [100, 200] and got["max_peak_rss_bytes"] == 200
+    assert got["init_s"] == 2.0
+
+
+def test_seven_billion_target_builds_a_llama_of_at_least_6_7e9_parameters():
+    cfg, _ = shapes.choose_shape("llama", 7e9, None, 16)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == shapes.count("llama", cfg) and count >= 6.7e9
+    assert shapes.largest_block_params("llama", cfg) == sum(p.numel() for p in model.layers[0].parameters())
+
+
+def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp_path):
+    cmd = [sys.executable, str(TOOLS / "bench_train.py"), "--model-size", "tiny", "--seq", "32", "--steps", "2",
+           "--warmup", "1", "--configs", "plain,infinity_z3_cpu", "--nvme-path", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, ours = summary["configs"]["plain"], summary["configs"]["infinity_z3_cpu"]
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert len(ours["step_times_s"]) == 2 and ours["ratio_to_plain"] > 0
+    assert all(b >= a for a, b in zip(ours["rss_after_setup_bytes"], ours["peak_rss_bytes"], strict=True))
+    assert not list(tmp_path.iterdir()), "the run's scratch folder is removed"
