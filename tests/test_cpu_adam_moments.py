@@ -9,7 +9,7 @@ import torch
 
 from infinity.optim import CPUAdamW, adam_step_flat, supported_paths
 from infinity.optim.adam_reference import stored_moments_step
-from infinity.optim.moments import Q8_BLOCK_ELEMS, SCALE_NAMES, decode, encode, moment_format, zero_state
+from infinity.shards.moments import Q8_BLOCK_ELEMS, SCALE_NAMES, decode, encode, moment_format, zero_state
 
 PATHS = supported_paths()
 FORMATS = ("fp32", "bf16", "8bit")

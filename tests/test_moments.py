@@ -1,4 +1,4 @@
-"""Specification of the moment storage formats (`infinity.optim.moments`), checked against
+"""Specification of the moment storage formats (`infinity.shards.moments`), checked against
 independent computations: torch's float8 cast, brute-force nearest search, Python-int hashing,
 and hand-counted layouts."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from infinity.optim import moments
-from infinity.optim.moments import FORMATS, Q8_BLOCK_ELEMS, code_table, decode, encode, moment_format
+from infinity.shards import moments
+from infinity.shards.moments import FORMATS, Q8_BLOCK_ELEMS, code_table, decode, encode, moment_format
 
 NAMES = ("exp_avg", "exp_avg_sq")
 

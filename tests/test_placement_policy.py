@@ -48,10 +48,12 @@ TABLE = [
     (("cpu", "cpu", "fp32", 1.0, CPU, 1, False), (H, H, H, True, True, StepperKind.NATIVE, False)),
     (("cpu", "cpu", "bf16", 1.0, CPU, 1, False), (H, H, H, True, False, StepperKind.NATIVE, False)),
     (("none", "cpu", "fp32", 1.0, CPU, 1, False), (D, D, H, True, True, StepperKind.NATIVE, False)),
-    # NVMe: gathers read host copies on a CPU-only machine; the optimizer steps during backward without clipping
-    (("nvme", "nvme", "fp32", 1.0, CPU, 1, False), (N, H, N, False, False, StepperKind.NATIVE, False)),
-    (("nvme", "nvme", "fp32", 0.0, CPU, 1, False), (N, H, N, False, False, StepperKind.NATIVE, True)),
-    (("nvme", "nvme", "fp32", 0.0, CPU, 1, True), (N, H, N, False, False, StepperKind.NATIVE, False)),
+    # NVMe: gathers read host copies on a CPU-only machine; the optimizer steps during backward without clipping;
+    # in fp32 the parameter shard and the master are one slot on NVMe
+    (("nvme", "nvme", "fp32", 1.0, CPU, 1, False), (N, H, N, False, True, StepperKind.NATIVE, False)),
+    (("nvme", "nvme", "fp32", 0.0, CPU, 1, False), (N, H, N, False, True, StepperKind.NATIVE, True)),
+    (("nvme", "nvme", "fp32", 0.0, CPU, 1, True), (N, H, N, False, True, StepperKind.NATIVE, False)),
+    (("nvme", "cpu", "fp32", 1.0, CPU, 1, False), (N, H, H, False, False, StepperKind.NATIVE, False)),
     (("nvme", "nvme", "fp16", 0.0, CPU, 1, False), (N, H, N, False, False, StepperKind.NATIVE, False)),
     (("none", "nvme", "bf16", 0.0, CPU, 2, False), (D, D, N, False, False, StepperKind.NATIVE, True)),
     # several ranks always gather
@@ -102,7 +104,8 @@ SWEEP = list(
 def test_placement_invariants(param, optim, dtype, clip, device, world) -> None:
     p = resolve_placement(_config(param, optim, dtype, clip), device, world, client_optimizer=False)
     assert not p.params_resident or (world == 1 and p.param_home is not Tier.NVME)
-    assert not p.master_is_param or (dtype == "fp32" and Tier.NVME not in (p.param_home, p.optim_home))
+    one_tier = p.param_home == p.optim_home or Tier.NVME not in (p.param_home, p.optim_home)
+    assert not p.master_is_param or (dtype == "fp32" and one_tier)
     assert not p.step_in_backward or (p.optim_home is Tier.NVME and clip == 0 and dtype != "fp16")
     assert p.needs_grad_norm == (clip > 0 or dtype == "fp16")
     assert p.gather_from in (Tier.DEVICE, Tier.HOST)

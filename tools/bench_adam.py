@@ -23,7 +23,7 @@ import torch
 
 from infinity._native_loader import load_native
 from infinity.optim import adam_step_flat, moment_format, resolve_simd
-from infinity.optim.moments import zero_state
+from infinity.shards.moments import zero_state
 
 BYTES_PER_ELEM = 28
 BYTES_PER_ELEM_BF16_COPY = 30

@@ -12,7 +12,7 @@ from infinity.config.params import optimizer_params, scheduler_params
 from infinity.config.schema import ConfigError, option
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-MOMENT_FORMATS = ("fp32", "bf16", "8bit")  # infinity.optim.moments.MOMENT_FORMATS (config imports no optim)
+MOMENT_FORMATS = ("fp32", "bf16", "8bit")  # infinity.shards.moments.MOMENT_FORMATS (config imports no shards)
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,16 @@ from infinity.engine.checkpoint_format import (
     TorchFileReader,
     write_torch_object,
 )
-from infinity.shards.store import OPTIM_KINDS, ShardKind, ShardStore
+from infinity.shards.moments import moment_format
+from infinity.shards.store import ShardKind, ShardStore
 
 FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
 MANIFEST = "manifest_rank{rank}.json"
 LATEST = "latest"
 PAUSE_ENV = "INFINITY_TEST_PAUSE_IN_SAVE"
-OPTIM_STATES = tuple(kind.value for kind in OPTIM_KINDS)  # "master", "exp_avg", "exp_avg_sq"
+# The optimizer state of a shard in fp32 moments; other moment formats store their own tensors in place of
+# the moments (`shards.moments`: bf16 codes; 8-bit codes and per-block scales), named in "moments".
+OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -205,24 +208,33 @@ def save_checkpoint(
         )
     }
     _pause_for_tests()
+    fmt = moment_format(shards.placement.moments)
+
+    def shard_specs(f) -> dict[str, TensorSpec]:
+        specs = {"master": (torch.float32, f.shard_numel), **fmt.tensor_specs(f.shard_numel)}
+        return {kind: TensorSpec(f"{kind}/{f.name}", (count,), dtype) for kind, (dtype, count) in specs.items()}
+
     optim_states = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "param_groups": run.param_groups,
         "shards": {
-            f.name: {
-                **{kind: TensorSpec(f"{kind}/{f.name}", (f.shard_numel,), torch.float32) for kind in OPTIM_STATES},
-                "step": record.step,
-            }
-            for f, record in shards.records.items()
+            f.name: {**shard_specs(f), "step": record.step, "moments": fmt.name} for f, record in shards.records.items()
         },
     }
+    current: dict[str, Any] = {}  # the one shard whose moments are in memory
 
     def optim_state(spec: TensorSpec) -> torch.Tensor:
         kind, _, name = spec.name.partition("/")
-        return shards.read(flats[name], ShardKind(kind))
+        if kind == "master":
+            return shards.read(flats[name], ShardKind.MASTER)
+        if current.get("name") != name:
+            current.clear()
+            current.update(name=name, moments=shards.read_moments(flats[name]))
+        return current["moments"][kind]
 
     files[optim_file(comm.rank)] = _write(staging / optim_file(comm.rank), optim_states, optim_state)
+    current.clear()
     manifest = {"format_version": FORMAT_VERSION, "world_size": comm.world_size, "rank": comm.rank, "files": files}
     _write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
     comm.barrier("checkpoint files written")
@@ -304,8 +316,8 @@ class CheckpointFiles:
 
     `read_range(kind, flat, start, end)` returns elements [start, end) of a FlatParam's full buffer as the
     saving run laid it out (its ranks' shards concatenated), whatever world size reads it; elements past
-    that buffer's end are padding and read as zeros. `kind` is "param" (compute-dtype weights) or one of
-    OPTIM_STATES. Memory: only the requested range is read.
+    that buffer's end are padding and read as zeros. `kind` is "param" (compute-dtype weights), "master",
+    or one of the moments' tensors (`shard_moments` reads those). Memory: only the requested range is read.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -332,8 +344,25 @@ class CheckpointFiles:
     def shard_numel(self, flat_name: str) -> int:
         return self._shard("param", 0, flat_name).numel
 
+    def moment_format(self, flat_name: str) -> str:
+        """The format its moments were saved in ("fp32" in checkpoints older than the formats)."""
+        return self.reader("optim", 0).obj["shards"][flat_name].get("moments", "fp32")
+
+    def shard_moments(self, flat_name: str, start: int, end: int) -> tuple[str, dict[str, torch.Tensor]]:
+        """(the saved format, its tensors) of the moments of elements [start, end) of a flat, start and end
+        multiples of the format's block (shards always are): per-block scales are read for those blocks."""
+        fmt = moment_format(self.moment_format(flat_name))
+        per = fmt.block_elems or 1
+        values = {}
+        for kind in fmt.tensor_specs(1):
+            scaled = kind.endswith("_scale")
+            values[kind] = self.read_range(
+                kind, flat_name, start // per if scaled else start, -(-end // per) if scaled else end
+            )
+        return fmt.name, values
+
     def read_range(self, kind: str, flat_name: str, start: int, end: int) -> torch.Tensor:
-        shard_numel = self.shard_numel(flat_name)
+        shard_numel = self._shard(kind, 0, flat_name).numel  # per rank, in this kind's own elements
         saved_end = shard_numel * self.world_size
         dtype = self._shard(kind, 0, flat_name).dtype
         out = torch.empty(end - start, dtype=dtype)
@@ -404,7 +433,7 @@ def load_checkpoint(
                     continue
                 master = files.read_range("master", flat.name, start, end)
                 if optimizer_too:
-                    moments = tuple(files.read_range(kind, flat.name, start, end) for kind in OPTIM_STATES[1:])
+                    moments = files.shard_moments(flat.name, start, end)
                     shards.assign(flat, master, moments, step=optim_states["shards"][flat.name]["step"])
                 else:
                     shards.assign(flat, master)

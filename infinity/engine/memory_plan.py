@@ -54,7 +54,7 @@ def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryP
     held = math.ceil(min(z.stage3_prefetch_bucket_size, total) / world) if placement.compute_in_host_memory else 0
     param_min = ShardStore.gather_host_bytes(largest, held, itemsize) if param_on_nvme else 0
     grad_rmw = ShardStore.grad_accumulation_bytes(largest) if optim_on_nvme else 0
-    shard_state = NativeStepper.shard_state_bytes(largest)
+    shard_state = NativeStepper.shard_state_bytes(largest, placement.moments)
     window = z.offload_optimizer.buffer_count
     host = z.host_budget_bytes
     bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
@@ -66,7 +66,7 @@ def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryP
             read_ahead = max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
             host += read_ahead
         if optim_on_nvme:
-            host += NativeStepper.host_bytes(window, largest)
+            host += NativeStepper.host_bytes(window, largest, placement.moments)
     elif host is not None and bounded:
         working = 0
         if placement.compute_in_host_memory:

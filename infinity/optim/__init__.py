@@ -1,8 +1,8 @@
 """CPU optimizers: the native SIMD Adam/AdamW, per flat shard or as torch optimizers."""
 
 from infinity.optim.cpu_adam import CPUAdam, CPUAdamW, adam_step_flat, check_hyperparameters
-from infinity.optim.moments import MOMENT_FORMATS, MomentFormat, moment_format
 from infinity.optim.simd import SIMD_ENV_VAR, SIMD_PATHS, resolve_simd, supported_paths
+from infinity.shards.moments import MOMENT_FORMATS, MomentFormat, moment_format
 
 __all__ = [
     "CPUAdam",

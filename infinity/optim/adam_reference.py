@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from infinity.optim.moments import MOMENT_NAMES, SCALE_NAMES, MomentFormat, decode, encode, moment_format
+from infinity.shards.moments import MOMENT_NAMES, SCALE_NAMES, MomentFormat, decode, encode, moment_format
 
 
 def adam_formula_step(

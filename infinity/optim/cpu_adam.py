@@ -2,7 +2,7 @@
 
 `adam_step_flat` is the call the engine makes on an offloaded shard; `CPUAdam` and `CPUAdamW`
 wrap it as `torch.optim.Optimizer`s whose math and state_dict match `torch.optim.Adam`/`AdamW`.
-Both keep the moments in fp32 (default, exact), bf16 or 8-bit (see `infinity.optim.moments`).
+Both keep the moments in fp32 (default, exact), bf16 or 8-bit (see `infinity.shards.moments`).
 """
 
 import math
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from infinity._native_loader import load_native
-from infinity.optim.moments import MOMENT_NAMES, SCALE_NAMES, MomentFormat, decode, encode, moment_format
 from infinity.optim.simd import resolve_simd
+from infinity.shards.moments import MOMENT_NAMES, SCALE_NAMES, MomentFormat, decode, encode, moment_format
 
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _COPY_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -176,7 +176,7 @@ class CPUAdam(torch.optim.Optimizer):
     torch.optim.Adam/AdamW and back. Grads may be fp32, bf16 or fp16. amsgrad, maximize and
     differentiable are not supported. `num_threads` defaults to torch.get_num_threads(); `simd`
     forces a path (see resolve_simd). `moments` ("fp32", "bf16", "8bit") is how exp_avg and
-    exp_avg_sq are stored (see infinity.optim.moments): shaped like the param in the format's dtype,
+    exp_avg_sq are stored (see infinity.shards.moments): shaped like the param in the format's dtype,
     plus `exp_avg_scale` and `exp_avg_sq_scale` (float32, one per block) for 8bit; the state_dict
     holds exactly these. `load_state_dict` accepts a state in any of the formats and converts it
     (rounding to nearest); to hand an 8bit state to torch, load it into a CPUAdam(moments="fp32").

@@ -17,6 +17,7 @@ import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.partition.flat_param import FlatParam
+from infinity.shards.moments import moment_format
 from infinity.shards.store import LentShard, Returned, ShardStore
 
 Hyper = Callable[[int], dict[str, Any]]  # a param group's lr, betas, eps and weight_decay, by index
@@ -111,14 +112,14 @@ class NativeStepper:
         self._stepped: set[FlatParam] = set()  # stepped this step
 
     @staticmethod
-    def shard_state_bytes(shard_elems: int) -> int:
-        """One shard's fp32 master, moments and gradient in host memory."""
-        return 16 * shard_elems
+    def shard_state_bytes(shard_elems: int, moments: str = "fp32") -> int:
+        """One shard's fp32 master and gradient and its moments (in format `moments`) in host memory."""
+        return 8 * shard_elems + moment_format(moments).state_bytes(shard_elems)
 
     @staticmethod
-    def host_bytes(window: int, shard_elems: int) -> int:
+    def host_bytes(window: int, shard_elems: int, moments: str = "fp32") -> int:
         """The host memory this pipeline holds at most: `window` + 1 shards' state."""
-        return (max(1, window) + 1) * NativeStepper.shard_state_bytes(shard_elems)
+        return (max(1, window) + 1) * NativeStepper.shard_state_bytes(shard_elems, moments)
 
     @property
     def in_progress(self) -> bool:
@@ -182,6 +183,9 @@ class NativeStepper:
             adamw_mode=self.adamw_mode,
             out_copy=out if fused else None,
             grad_scale=grad_scale,
+            moments=self.shards.placement.moments,
+            exp_avg_scale=lent.moments.get("exp_avg_scale"),
+            exp_avg_sq_scale=lent.moments.get("exp_avg_sq_scale"),
         )
         return fused
 

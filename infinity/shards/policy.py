@@ -63,6 +63,7 @@ class Placement:
     step_in_backward: bool  # a shard is stepped as its final gradient arrives, while backward goes on
     needs_grad_norm: bool  # gradient clipping or fp16's overflow check needs the global norm before a step
     malloc: MallocTuning
+    moments: str = "fp32"  # the format Adam's moments are stored in (`shards.moments`)
 
     @property
     def compute_in_host_memory(self) -> bool:
@@ -111,7 +112,9 @@ def resolve_placement(
     # Stages 1-2 replicate the parameters on every rank; stage 3 keeps them whole only at one rank.
     resident = in_compute_memory and (z.stage < 3 or world_size == 1)
     same_memory = param_memory == memory_device(optim_home, compute_device)
-    master_is_param = dtype == torch.float32 and param_home is not Tier.NVME and same_memory
+    both_on_nvme = param_home is Tier.NVME and optim_home is Tier.NVME
+    # fp32: the master is the parameter shard wherever both live together (memory, or one NVMe slot)
+    master_is_param = dtype == torch.float32 and (both_on_nvme or (param_home is not Tier.NVME and same_memory))
     stepper = StepperKind.TORCH if optim_home is Tier.DEVICE else StepperKind.NATIVE
     fp16 = cfg.fp16.enabled is True
     needs_norm = cfg.gradient_clipping > 0 or fp16
@@ -137,4 +140,5 @@ def resolve_placement(
         step_in_backward=step_in_backward,
         needs_grad_norm=needs_norm,
         malloc=malloc,
+        moments=z.offload_optimizer.moments,
     )

@@ -1,8 +1,9 @@
 """ShardStore: the one owner of every byte of each flat parameter on this rank.
 
-Per trainable flat: the compute-dtype parameter shard, the fp32 master, the Adam moments and the
-gradient accumulator, each a key `(flat name, kind)` in the `TierStore` on the tier the `Placement`
-says (when the master is the parameter shard, both kinds name one key). Frozen flats have only their
+Per trainable flat: the compute-dtype parameter shard, the fp32 master, the Adam moments (both in one
+packed buffer, in the placement's moment format: fp32, bf16 or 8-bit) and the gradient accumulator,
+each a key `(flat name, kind)` in the `TierStore` on the tier the `Placement` says (when the master is
+the parameter shard, both kinds name one key). Frozen flats have only their
 parameter shard. With resident parameters the parameter key holds the whole flat and the parameters
 are views of it; this rank's shard is its range of that.
 
@@ -24,6 +25,7 @@ import torch
 from infinity.comm import CommGroup
 from infinity.partition.flat_param import FlatParam
 from infinity.shards import registry
+from infinity.shards.moments import MOMENT_NAMES, decode, encode, moment_format, packed_views
 from infinity.shards.policy import Placement
 from infinity.storage import FetchHandle, MoveHandle, Tier, TierStore, aligned_empty
 
@@ -31,12 +33,11 @@ from infinity.storage import FetchHandle, MoveHandle, Tier, TierStore, aligned_e
 class ShardKind(str, enum.Enum):
     PARAM = "param"  # compute dtype; the whole flat when parameters are resident
     MASTER = "master"  # fp32 weights the optimizer updates
-    EXP_AVG = "exp_avg"
-    EXP_AVG_SQ = "exp_avg_sq"
+    MOMENTS = "moments"  # both Adam moments packed in the placement's format (`shards.moments.packed_views`)
     GRAD = "grad"  # fp32 sum of this step's micro-batch gradients
 
 
-OPTIM_KINDS = (ShardKind.MASTER, ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ)
+OPTIM_KINDS = (ShardKind.MASTER, ShardKind.MOMENTS)
 
 
 @dataclass
@@ -57,11 +58,19 @@ class LentShard:
 
     flat: FlatParam
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    moments_buffer: torch.Tensor  # uint8: both moments packed in the placement's format
+    moments: dict[str, torch.Tensor]  # views into it: exp_avg, exp_avg_sq (and their scales)
     grad: torch.Tensor | None
     param_out: torch.Tensor | None
     fetched: list[Hashable] = field(default_factory=list)  # keys whose host copies are held
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.moments["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.moments["exp_avg_sq"]
 
 
 class Returned:
@@ -132,9 +141,10 @@ class ShardStore:
 
     def shard_view(self, flat: FlatParam, kind: ShardKind) -> torch.Tensor | None:
         """This rank's shard of `kind` where it lives, when that is memory (updated in place), else None."""
-        view = self._views.get(self.key(flat, kind))
-        if view is not None and view.numel() != flat.shard_numel:  # a resident flat: this rank's range
-            start, end = flat.shard_range
+        key = self.key(flat, kind)
+        view = self._views.get(key)
+        if view is not None and key[1] == ShardKind.PARAM.value and self.placement.params_resident:
+            start, end = flat.shard_range  # the key holds the whole flat: this rank's range of it
             view = view[start:end]
         return view
 
@@ -158,11 +168,9 @@ class ShardStore:
             self.records[flat] = ShardRecord()
             if not p.master_is_param:
                 self._put(flat, ShardKind.MASTER, full32[start:end])
-            zeros = torch.zeros(flat.shard_numel, dtype=torch.float32)
-            for kind in (ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ):
-                self._put(flat, kind, zeros)
+            self._put(flat, ShardKind.MOMENTS, torch.zeros(self._moments_bytes(flat), dtype=torch.uint8))
             if p.optim_home is not Tier.NVME:  # on NVMe the slot is made by the first gradient written
-                self._put(flat, ShardKind.GRAD, zeros)
+                self._put(flat, ShardKind.GRAD, torch.zeros(flat.shard_numel, dtype=torch.float32))
         if p.params_resident:
             flat.make_resident(self._views[self.key(flat, ShardKind.PARAM)])
         self.flats.append(flat)
@@ -176,8 +184,12 @@ class ShardStore:
 
     # -- reading and assigning --------------------------------------------------------------------
 
+    def _moments_bytes(self, flat: FlatParam) -> int:
+        return moment_format(self.placement.moments).state_bytes(flat.shard_numel)
+
     def read(self, flat: FlatParam, kind: ShardKind) -> torch.Tensor:
-        """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 otherwise)."""
+        """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 for MASTER and GRAD,
+        the packed bytes for MOMENTS: see `read_moments`)."""
         view = self.shard_view(flat, kind)
         if view is not None:
             return view.detach().to("cpu", copy=True)
@@ -186,6 +198,11 @@ class ShardStore:
             return self.tiers.fetch(key, Tier.HOST).wait().clone()
         finally:
             self.tiers.release(key, Tier.HOST)
+
+    def read_moments(self, flat: FlatParam) -> dict[str, torch.Tensor]:
+        """Host copies of the shard's stored moments: exp_avg, exp_avg_sq (and their scales), in the
+        placement's format (`placement.moments`)."""
+        return packed_views(self.read(flat, ShardKind.MOMENTS), self.placement.moments, flat.shard_numel)
 
     def read_weights(self, flat: FlatParam) -> torch.Tensor:
         """This rank's shard of the weights in fp32: the master when trainable, else the parameter shard."""
@@ -206,21 +223,37 @@ class ShardStore:
         self,
         flat: FlatParam,
         master32: torch.Tensor,
-        moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+        moments: tuple[str, dict[str, torch.Tensor]] | None = None,
         step: int | None = None,
     ) -> None:
-        """New fp32 weights for this rank's shard of `flat` (optionally its Adam moments and step count):
-        the master takes them, the parameter shard their compute-dtype cast. A resident flat's other
-        ranks' ranges and a gathered copy are the caller's to refresh (`sync_resident`, `reshard`)."""
+        """New fp32 weights for this rank's shard of `flat` (optionally its Adam moments, as (format name,
+        tensors by name) in any format, and step count): the master takes them, the parameter shard their
+        compute-dtype cast. A resident flat's other ranks' ranges and a gathered copy are the caller's to
+        refresh (`sync_resident`, `reshard`)."""
         master32 = master32.detach().to("cpu", torch.float32).reshape(-1)
         if flat.requires_grad and not self.placement.master_is_param:
             self._write(flat, ShardKind.MASTER, master32)
         self._write(flat, ShardKind.PARAM, master32.to(self.placement.compute_dtype))
         if moments is not None:
-            for kind, value in zip((ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ), moments, strict=True):
-                self._write(flat, kind, value.detach().to("cpu", torch.float32).reshape(-1))
+            self._write(flat, ShardKind.MOMENTS, self._packed(flat, *moments))
         if step is not None:
             self.records[flat].step = step
+
+    def _packed(self, flat: FlatParam, fmt: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`values` (moments stored in format `fmt`) packed in this placement's format, converted if need be."""
+        mine = self.placement.moments
+        buffer = torch.empty(self._moments_bytes(flat), dtype=torch.uint8)
+        views = packed_views(buffer, mine, flat.shard_numel)
+        for name in MOMENT_NAMES:
+            scale_name = f"{name}_scale"
+            if fmt == mine:
+                codes, scale = values[name], values.get(scale_name)
+            else:  # through fp32, rounded to nearest in the new format
+                codes, scale = encode(decode(values[name], values.get(scale_name), fmt, name), mine, name)
+            views[name].copy_(codes.reshape(-1))
+            if scale is not None:
+                views[scale_name].copy_(scale.reshape(-1))
+        return buffer
 
     def assign_param(self, flat: FlatParam, shard: torch.Tensor) -> None:
         """New compute-dtype weights for a frozen flat's shard."""
@@ -250,10 +283,13 @@ class ShardStore:
         return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from)
 
     def release_param(self, flat: FlatParam) -> None:
-        """The fetched shard was gathered; copies above its home are dropped (memory holds only what is in use)."""
+        """The fetched shard was gathered. A copy in device memory is dropped (it holds only what is in use);
+        a host copy of an NVMe shard stays cached within the host budget, so a later gather or the step of
+        the same shard (one slot, fp32) may find it there instead of reading it again."""
         key = self.key(flat, ShardKind.PARAM)
-        self.tiers.release(key, self.placement.gather_from)
-        if self.placement.param_home is not Tier.DEVICE:
+        p = self.placement
+        self.tiers.release(key, p.gather_from)
+        if p.gather_from is Tier.DEVICE and p.param_home is not Tier.DEVICE:
             self.tiers.evict(key)
 
     def read_ahead(self, flats: Iterable[FlatParam]) -> None:
@@ -386,13 +422,15 @@ class ShardStore:
             return self.tiers.fetch(key, Tier.HOST).wait()
 
         try:
-            master, exp_avg, exp_avg_sq = (buffer(k) for k in OPTIM_KINDS)
+            master, packed = (buffer(k) for k in OPTIM_KINDS)
             grad = buffer(ShardKind.GRAD) if with_grad else None
         except BaseException:
             for key in fetched:
                 self.tiers.release(key, Tier.HOST)
             raise
-        return LentShard(flat, master, exp_avg, exp_avg_sq, grad, self._param_out(flat, master), fetched)
+        packed = packed.view(torch.uint8)
+        moments = packed_views(packed, self.placement.moments, flat.shard_numel)
+        return LentShard(flat, master, packed, moments, grad, self._param_out(flat, master), fetched)
 
     def _param_out(self, flat: FlatParam, master: torch.Tensor) -> torch.Tensor | None:
         p = self.placement
@@ -401,8 +439,6 @@ class ShardStore:
         view = self.shard_view(flat, ShardKind.PARAM)
         if view is not None and view.device == master.device:
             return view  # the step writes the new weights straight into the parameter shard
-        if p.param_home is Tier.NVME and p.compute_dtype == torch.float32 and p.optim_home is Tier.NVME:
-            return None  # the master's host copy is written as the parameter shard (it outlives the write)
         out = aligned_empty(flat.shard_numel * p.compute_dtype.itemsize).view(p.compute_dtype)
         return out if master.device.type == "cpu" else out.to(master.device)
 
@@ -412,13 +448,12 @@ class ShardStore:
         flat, p = lent.flat, self.placement
         writes: list[MoveHandle] = []
         if p.optim_home is Tier.NVME:
-            writes += [self.tiers.write(self.key(flat, k), t) for k, t in zip(OPTIM_KINDS, _state(lent), strict=True)]
+            writes.append(self.tiers.write(self.key(flat, ShardKind.MASTER), lent.master))
+            writes.append(self.tiers.write(self.key(flat, ShardKind.MOMENTS), lent.moments_buffer))
         param_key = self.key(flat, ShardKind.PARAM)
         out = lent.param_out
         view = self.shard_view(flat, ShardKind.PARAM)
-        if out is None and not p.master_is_param:
-            writes.append(self.tiers.write(param_key, lent.master))  # fp32 NVMe: the master's host copy
-        elif out is not None:
+        if out is not None:
             if not param_written:
                 out.copy_(lent.master)
             if view is not None and out.data_ptr() != view.data_ptr():
@@ -428,10 +463,6 @@ class ShardStore:
         if p.param_home is not Tier.NVME:
             self.tiers.evict(param_key)  # copies above the home are stale
         return Returned(self, lent, writes)
-
-
-def _state(lent: LentShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lent.master, lent.exp_avg, lent.exp_avg_sq
 
 
 def _norm_sq(t: torch.Tensor) -> float:
