@@ -2,10 +2,12 @@
 
 Primitives: `BufferPool` (aligned host buffers), `open_engine` (async direct I/O), `NvmeFile` (one
 preallocated swap file per rank). Policy: `TierStore` (fetch, release, write, prefetch, evict, drop).
+`crc32c` is the checksum the I/O engines compute per request.
 """
 
 from infinity.storage.aio import AiofilesEngine, DirectEngine, IoHandle, open_engine, supports_direct_io
 from infinity.storage.buffer_pool import ALIGN, BufferPool, aligned_empty, aligned_view, copy_bytes
+from infinity.storage.checksum import crc32c, resolve_crc32c_path
 from infinity.storage.device_memory import DeviceMemory
 from infinity.storage.errors import BudgetError, StorageError, SwapFileError
 from infinity.storage.moves import FetchHandle, MoveHandle, Tier
@@ -35,6 +37,8 @@ __all__ = [
     "aligned_empty",
     "aligned_view",
     "copy_bytes",
+    "crc32c",
     "open_engine",
+    "resolve_crc32c_path",
     "supports_direct_io",
 ]
