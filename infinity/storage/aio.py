@@ -210,6 +210,8 @@ class AiofilesEngine(_Engine):
         nbytes = _check_buffer(buf)
         if not 0 <= crc_bytes <= nbytes:
             raise ValueError(f"crc_bytes must be in [0, {nbytes}], got {crc_bytes}")
+        if not self._loop.is_running():
+            raise RuntimeError("the aio engine is closed")
         view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
         coro = self._transfer(write, f.path, view, offset, nbytes, (buf.data_ptr(), crc_bytes))
         return _FutureHandle(asyncio.run_coroutine_threadsafe(coro, self._loop), buf)
