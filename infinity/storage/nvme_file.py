@@ -5,7 +5,7 @@ never in the middle of a write; the hot path creates no files. The first growth 
 expected need (`expected_bytes`) when given, else `grow_bytes`. The header (magic, version, rank,
 pid, a random run id) lets a later run tell its own stale file (left by a killed process: removed)
 from a foreign one or a live run's (refused). The file is removed by close(), at interpreter exit,
-or by the next store on the same path and rank.
+when a terminating signal ends the process (`exit_cleanup`), or by the next store on the same path.
 
 Every write records the CRC32C of the bytes written; every read is checked against the checksum
 its caller recorded, and the file's identity (inode, size, header) is checked before each access,
@@ -32,6 +32,7 @@ from infinity.storage.aio import ALIGN, DoneHandle, Engine, IoFile, IoHandle, op
 from infinity.storage.buffer_pool import aligned_empty, round_up
 from infinity.storage.disk_space import free_bytes
 from infinity.storage.errors import BudgetError, ChecksumError, StorageError, SwapFileError
+from infinity.storage.exit_cleanup import register_live_file, unregister_live_file
 from infinity.storage.ranges import RangeAllocator
 from infinity.storage.swap_identity import WHAT_TO_DO, SwapIdentity
 
@@ -49,8 +50,10 @@ class _Owned:
         self.engine = engine
         self.file: IoFile | None = None
         self.identity: SwapIdentity | None = None
+        self.cleanup_token = -1
 
     def release(self) -> None:
+        unregister_live_file(self.cleanup_token)
         try:
             self.engine.close()  # finishes the requests in flight first
         finally:
@@ -121,6 +124,7 @@ class NvmeFile:
             raise self._startup_error(exc) from None
         self._finalizer = weakref.finalize(self, owned.release)
         fcntl.flock(self._file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        owned.cleanup_token = register_live_file(self.path, self._file.fd)
         try:
             self._fallocate(0, HEADER_BYTES)
             header_crc = self._write_header()

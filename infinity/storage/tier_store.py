@@ -37,7 +37,8 @@ class TierStore(TierMover):
 
     `nvme_path` None: no NVMe tier. A missing, unwritable or full path raises `StorageError` here,
     naming the path and its free space. The swap file is removed by close(), the context manager,
-    or at interpreter exit. `wait_timeout_s` bounds every wait for memory (then `BudgetError`).
+    at interpreter exit, or when a terminating signal ends the process. `wait_timeout_s` bounds
+    every wait for memory (then `BudgetError`).
 
     `expected_nvme_bytes`: the bytes the run will put on NVMe (the sum of round_up(nbytes, 4096) over
     its NVMe keys); the swap file's first growth is that much rather than `nvme_grow_bytes`. Every
