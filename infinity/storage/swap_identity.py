@@ -80,8 +80,8 @@ class SwapIdentity:
             )
         if fd_stat.st_size < min_size_bytes:
             return (
-                f"the swap file '{self.path}' is {fd_stat.st_size} bytes, shorter than the {min_size_bytes} "
-                "the run wrote: it was truncated while the run was using it"
+                f"the swap file '{self.path}' is {fd_stat.st_size} bytes, shorter than the {min_size_bytes} bytes "
+                "the run allocated: it was truncated while the run was using it"
             )
         return self._header_problem(wait_for_header)
 

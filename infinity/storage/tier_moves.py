@@ -357,14 +357,15 @@ class TierMover:
 
     def _explain(self, shard: Shard, exc: StorageError) -> StorageError:
         """The error a fetch raises: which key, and what is wrong with the swap file if anything is."""
-        if isinstance(exc, SwapFileChangedError):
-            return SwapFileChangedError(exc.errno, f"fetch of {shard.key!r}: {exc.strerror}", exc.filename)
+        what = f"fetch of {shard.key!r}"
+        if isinstance(exc, SwapFileChangedError) and not exc.strerror.startswith(what):
+            return SwapFileChangedError(exc.errno, f"{what}: {exc.strerror}", exc.filename)
         if isinstance(exc, SwapFileError):
             return exc
         diagnosis = self._file.diagnose(shard.nvme_offset + round_up(shard.nbytes)) if self._file else ""
         cls = SwapFileChangedError if diagnosis else StorageError
         return cls(
-            exc.errno, f"fetch of {shard.key!r}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename
+            exc.errno, f"{what}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename
         )
 
     def _record(self, shard: Shard, src: Tier, dst: Tier, t0: int) -> None:
