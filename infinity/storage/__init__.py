@@ -2,7 +2,8 @@
 
 Primitives: `BufferPool` (aligned host buffers), `open_engine` (async direct I/O), `NvmeFile` (one
 preallocated swap file per rank, every read checked against the CRC32C of its write). Policy:
-`TierStore` (fetch, release, write, prefetch, evict, drop). `check_free_space` checks a swap path up front.
+`TierStore` (fetch, release, write, prefetch, evict, drop). `check_free_space` checks a swap path
+up front against what its runs will write there (`swap_file_bytes` per rank).
 """
 
 from infinity.storage.aio import AiofilesEngine, DirectEngine, IoHandle, open_engine, supports_direct_io
@@ -12,7 +13,7 @@ from infinity.storage.device_memory import DeviceMemory
 from infinity.storage.disk_space import check_free_space
 from infinity.storage.errors import BudgetError, ChecksumError, StorageError, SwapFileChangedError, SwapFileError
 from infinity.storage.moves import FetchHandle, MoveHandle, Tier
-from infinity.storage.nvme_file import NvmeFile
+from infinity.storage.nvme_file import NvmeFile, swap_file_bytes
 from infinity.storage.recorder import ListRecorder, MoveEvent, Recorder
 from infinity.storage.tier_store import TierBudgets, TierStore
 
@@ -45,4 +46,5 @@ __all__ = [
     "open_engine",
     "resolve_crc32c_path",
     "supports_direct_io",
+    "swap_file_bytes",
 ]

@@ -43,6 +43,11 @@ HEADER_BYTES = ALIGN
 MIN_GROW_BYTES = 1 << 20
 
 
+def swap_file_bytes(expected_bytes: int) -> int:
+    """The size of a swap file whose store was told `expected_bytes` (its header, then the slots)."""
+    return HEADER_BYTES + round_up(expected_bytes)
+
+
 class _Owned:
     """What the file's finalizer releases: kept apart from the NvmeFile so the finalizer holds no reference to it."""
 
