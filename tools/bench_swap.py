@@ -147,7 +147,11 @@ def bench_shard_size(
             for name in writes + reads:
                 if use_fio or not name.startswith("raw_"):
                     samples[name].append(runs[name]())
-        store_write_gbps(store, keys, unaligned)  # fio wrote its own bytes; put the shards back, then check
+                if name == "raw_write" and use_fio:
+                    # fio wrote its own bytes over the shards: put them back (untimed), or the store's verified
+                    # reads would rightly refuse them
+                    store_write_gbps(store, keys, source)
+        store_write_gbps(store, keys, unaligned)  # new contents through the staging path, then check them
         for key in {keys[0], keys[len(keys) // 2], keys[-1]}:
             if not torch.equal(store.fetch(key, "host").wait(), unaligned):
                 raise RuntimeError(f"shard {key} read back different bytes than were written")
