@@ -10,8 +10,8 @@
 // length; the engine itself stays usable.
 //
 // A request may ask for the CRC32C of its first `crc_bytes` bytes: each worker checksums its chunks
-// as they complete (reads after the data landed, writes from the memory just written), so the
-// checksum runs on the I/O threads beside the disk, and the last chunk to finish joins them in order.
+// once they complete (reads after the data landed, writes from the memory just written), after
+// refilling its queue so the disk stays busy meanwhile; the last chunk to finish joins them in order.
 #include <linux/aio_abi.h>
 #include <pybind11/pybind11.h>
 #include <signal.h>
@@ -256,12 +256,19 @@ private:
         std::vector<io_event> events(qd);
         std::vector<Chunk> fresh;
         std::vector<iocb*> batch;
+        struct Reaped {
+            Chunk chunk;
+            int err;
+            int64_t got;
+        };
+        std::vector<Reaped> reaped;  // completed, their slots free again; checksummed once new chunks are in flight
         int inflight = 0;
         while (true) {
             fresh.clear();
             // Without overlap_events, a batch is submitted only once the previous one has completed.
             bool may_take = overlap_events_ || inflight == 0;
-            if (may_take && !take(fresh, static_cast<size_t>(qd - inflight), inflight == 0)) return;
+            bool idle = inflight == 0 && reaped.empty();
+            if (may_take && !take(fresh, static_cast<size_t>(qd - inflight), idle)) return;
             batch.clear();
             for (auto& c : fresh) {
                 int s = free_slots.back();
@@ -305,6 +312,8 @@ private:
                 slots[s] = Chunk{};
                 free_slots.push_back(s);
             }
+            for (auto& r : reaped) r.chunk.finish(crc_path_, r.err, r.got);  // the disk meanwhile serves the new ones
+            reaped.clear();
             if (inflight == 0) continue;
             int min_nr = overlap_events_ ? 1 : inflight;
             int got = io_getevents_(ctx, min_nr, qd, events.data());
@@ -319,7 +328,7 @@ private:
                 int err = res < 0 ? static_cast<int>(-res) : 0;
                 int64_t done = res < 0 ? 0 : res;
                 if (err == 0 && done < c.length && done > 0) done = transfer_blocking(c, done, err);  // rare partial
-                c.finish(crc_path_, err, done);
+                reaped.push_back(Reaped{std::move(c), err, done});
                 c = Chunk{};
                 free_slots.push_back(s);
                 --inflight;
