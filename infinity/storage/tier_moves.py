@@ -18,6 +18,7 @@ from threading import RLock
 import torch
 
 from infinity.config import AioConfig
+from infinity.storage.aio import IoHandle
 from infinity.storage.buffer_pool import BufferPool, aligned_view, copy_bytes, round_up
 from infinity.storage.device_memory import DeviceMemory
 from infinity.storage.errors import StorageError, SwapFileChangedError, SwapFileError
@@ -351,7 +352,7 @@ class TierMover:
         loading = next((c for c in shard.copies.values() if not c.ready.is_set()), None)
         return None if loading is None else loading.ready.wait
 
-    def _read_nvme(self, shard: Shard, buf: torch.Tensor):
+    def _read_nvme(self, shard: Shard, buf: torch.Tensor) -> IoHandle:
         """Under the lock (or in the mover's order): a read of the key's slot, checked against its last write."""
         return self._file.read(buf, shard.nvme_offset, shard.nbytes, shard.nvme_crc, f"fetch of {shard.key!r}")
 
