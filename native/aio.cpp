@@ -8,6 +8,10 @@
 // addresses as integers; nothing here knows torch. Submitting and waiting release the GIL.
 // A request fails with its first error (errno, or a short read), reported with file, offset and
 // length; the engine itself stays usable.
+//
+// A request may ask for the CRC32C of its first `crc_bytes` bytes: each worker checksums its chunks
+// once they complete (reads after the data landed, writes from the memory just written), after
+// refilling its queue so the disk stays busy meanwhile; the last chunk to finish joins them in order.
 #include <linux/aio_abi.h>
 #include <pybind11/pybind11.h>
 #include <signal.h>
@@ -27,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include "crc32c.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -42,13 +48,19 @@ int io_getevents_(aio_context_t ctx, long min_nr, long nr, io_event* events) {
 
 // One submitted read or write; done when all of its chunks are.
 struct Request {
-    Request(std::string p, bool w, int64_t off, int64_t n, int64_t chunks)
-        : path(std::move(p)), write(w), offset(off), nbytes(n), remaining(chunks) {}
+    Request(std::string p, bool w, int64_t off, int64_t n, int64_t block, int64_t crc_n)
+        : path(std::move(p)), write(w), offset(off), nbytes(n), crc_bytes(crc_n), remaining((n + block - 1) / block) {
+        if (crc_bytes > 0) {
+            for (int64_t start = 0; start < nbytes; start += block) crc_lengths.push_back(crc_part(start, block));
+            chunk_crcs.assign(crc_lengths.size(), 0);
+        }
+    }
 
     const std::string path;
     const bool write;
     const int64_t offset;
     const int64_t nbytes;
+    const int64_t crc_bytes;  // the checksummed prefix; 0: none
 
     std::mutex mu;
     std::condition_variable cv;
@@ -57,8 +69,16 @@ struct Request {
     bool failed = false;  // the first failure wins; later ones add nothing a user can act on
     int err = 0;
     int64_t fail_offset = 0, fail_length = 0, fail_got = 0;
+    std::vector<int64_t> crc_lengths;  // per chunk, in file order: its bytes inside the prefix
+    std::vector<uint32_t> chunk_crcs;  // per chunk: CRC32C of those bytes
+    uint32_t crc = 0;                  // of the whole prefix, once done without failure
 
-    void finish_chunk(int e, int64_t off, int64_t len, int64_t got) {
+    // Bytes of the chunk at `start` (into the request, `len` long) inside the checksummed prefix.
+    int64_t crc_part(int64_t start, int64_t len) const {
+        return std::max<int64_t>(0, std::min({len, nbytes - start, crc_bytes - start}));
+    }
+
+    void finish_chunk(int e, int64_t off, int64_t len, int64_t got, size_t index, uint32_t chunk_crc) {
         std::lock_guard<std::mutex> g(mu);
         if ((e != 0 || got != len) && !failed) {
             failed = true;
@@ -67,7 +87,12 @@ struct Request {
             fail_length = len;
             fail_got = e != 0 ? -1 : got;
         }
+        if (index < chunk_crcs.size()) chunk_crcs[index] = chunk_crc;
         if (--remaining == 0) {
+            if (!failed) {
+                for (size_t i = 0; i < chunk_crcs.size(); ++i)
+                    if (crc_lengths[i] > 0) crc = infinity_crc::combine(crc, chunk_crcs[i], crc_lengths[i]);
+            }
             done = true;
             cv.notify_all();
         }
@@ -93,6 +118,15 @@ struct Chunk {
     char* buf = nullptr;
     int64_t offset = 0;
     int64_t length = 0;
+    size_t index = 0;  // in the request, in file order
+
+    // Reports the transfer's outcome, with the CRC32C of this chunk's part of the prefix when it succeeded.
+    void finish(infinity_crc::Path path, int err, int64_t got) const {
+        uint32_t crc = 0;
+        if (err == 0 && got == length && index < req->crc_lengths.size() && req->crc_lengths[index] > 0)
+            crc = infinity_crc::crc32c(path, 0, buf, static_cast<size_t>(req->crc_lengths[index]));
+        req->finish_chunk(err, offset, length, got, index, crc);
+    }
 };
 
 // Blocking transfer of a whole chunk (or its rest); returns bytes done, sets `err` on failure.
@@ -115,10 +149,13 @@ int64_t transfer_blocking(const Chunk& c, int64_t done, int& err) {
 
 class Engine {
 public:
-    Engine(int64_t block_size, int queue_depth, int threads, bool single_submit, bool overlap_events, bool use_kaio)
+    Engine(int64_t block_size, int queue_depth, int threads, bool single_submit, bool overlap_events, bool use_kaio,
+           int crc_path)
         : block_size_(block_size), queue_depth_(queue_depth), single_submit_(single_submit),
-          overlap_events_(overlap_events) {
+          overlap_events_(overlap_events), crc_path_(static_cast<infinity_crc::Path>(crc_path)) {
         if (block_size <= 0 || block_size % kAlign) throw py::value_error("block_size must be a positive multiple of 4096");
+        if (crc_path < 1 || crc_path > 2 || !infinity_crc::supported(crc_path_))
+            throw py::value_error("crc_path must be 1 (table) or 2 (sse4.2, where the CPU has it)");
         if (queue_depth < 1 || threads < 1) throw py::value_error("queue_depth and intra_op_parallelism must be >= 1");
         // Past RLIMIT_FSIZE the kernel sends SIGXFSZ, whose default action kills the process; ignored,
         // the write fails with EFBIG and is reported like any other error. A handler someone
@@ -157,21 +194,25 @@ public:
     }
 
     std::shared_ptr<Request> submit(bool write, int fd, const std::string& path, uintptr_t addr, int64_t offset,
-                                     int64_t nbytes) {
+                                     int64_t nbytes, int64_t crc_bytes) {
         if (addr % kAlign || offset % kAlign || nbytes % kAlign || nbytes <= 0 || offset < 0) {
             throw py::value_error("direct I/O needs a 4096-aligned address, offset and length > 0; got address " +
                                   std::to_string(addr) + ", offset " + std::to_string(offset) + ", length " +
                                   std::to_string(nbytes) + " for '" + path + "'");
         }
+        if (crc_bytes < 0 || crc_bytes > nbytes) {
+            throw py::value_error("crc_bytes must be in [0, " + std::to_string(nbytes) + "], got " +
+                                  std::to_string(crc_bytes));
+        }
         int64_t chunks = (nbytes + block_size_ - 1) / block_size_;
-        auto req = std::make_shared<Request>(path, write, offset, nbytes, chunks);
+        auto req = std::make_shared<Request>(path, write, offset, nbytes, block_size_, crc_bytes);
         {
             std::lock_guard<std::mutex> g(mu_);
             if (stop_) throw std::runtime_error("the aio engine is closed");
             for (int64_t i = 0; i < chunks; ++i) {
                 int64_t off = i * block_size_;
                 queue_.push_back(Chunk{req, fd, reinterpret_cast<char*>(addr) + off, offset + off,
-                                       std::min(block_size_, nbytes - off)});
+                                       std::min(block_size_, nbytes - off), static_cast<size_t>(i)});
             }
         }
         cv_.notify_all();
@@ -201,7 +242,7 @@ private:
             for (auto& c : one) {
                 int err = 0;
                 int64_t got = transfer_blocking(c, 0, err);
-                c.req->finish_chunk(err, c.offset, c.length, got);
+                c.finish(crc_path_, err, got);
             }
         }
     }
@@ -215,12 +256,19 @@ private:
         std::vector<io_event> events(qd);
         std::vector<Chunk> fresh;
         std::vector<iocb*> batch;
+        struct Reaped {
+            Chunk chunk;
+            int err;
+            int64_t got;
+        };
+        std::vector<Reaped> reaped;  // completed, their slots free again; checksummed once new chunks are in flight
         int inflight = 0;
         while (true) {
             fresh.clear();
             // Without overlap_events, a batch is submitted only once the previous one has completed.
             bool may_take = overlap_events_ || inflight == 0;
-            if (may_take && !take(fresh, static_cast<size_t>(qd - inflight), inflight == 0)) return;
+            bool idle = inflight == 0 && reaped.empty();
+            if (may_take && !take(fresh, static_cast<size_t>(qd - inflight), idle)) return;
             batch.clear();
             for (auto& c : fresh) {
                 int s = free_slots.back();
@@ -250,7 +298,7 @@ private:
                 if (e == EAGAIN && inflight > 0) break;  // reap below, then retry the rest
                 // Refused at submission (EBADF, EINVAL, EFBIG...): that chunk fails, the rest go on.
                 int s = static_cast<int>(batch[next]->aio_data);
-                slots[s].req->finish_chunk(e, slots[s].offset, slots[s].length, 0);
+                slots[s].finish(crc_path_, e, 0);
                 slots[s] = Chunk{};
                 free_slots.push_back(s);
                 ++next;
@@ -264,6 +312,8 @@ private:
                 slots[s] = Chunk{};
                 free_slots.push_back(s);
             }
+            for (auto& r : reaped) r.chunk.finish(crc_path_, r.err, r.got);  // the disk meanwhile serves the new ones
+            reaped.clear();
             if (inflight == 0) continue;
             int min_nr = overlap_events_ ? 1 : inflight;
             int got = io_getevents_(ctx, min_nr, qd, events.data());
@@ -278,7 +328,7 @@ private:
                 int err = res < 0 ? static_cast<int>(-res) : 0;
                 int64_t done = res < 0 ? 0 : res;
                 if (err == 0 && done < c.length && done > 0) done = transfer_blocking(c, done, err);  // rare partial
-                c.req->finish_chunk(err, c.offset, c.length, done);
+                reaped.push_back(Reaped{std::move(c), err, done});
                 c = Chunk{};
                 free_slots.push_back(s);
                 --inflight;
@@ -290,6 +340,7 @@ private:
     const int queue_depth_;
     const bool single_submit_;
     const bool overlap_events_;
+    const infinity_crc::Path crc_path_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Chunk> queue_;
@@ -343,16 +394,27 @@ void register_aio(py::module_& m) {
             std::lock_guard<std::mutex> g(r.mu);
             return r.done;
         })
+        .def_property_readonly(
+            "crc32c",
+            [](Request& r) -> py::object {
+                std::lock_guard<std::mutex> g(r.mu);
+                if (!r.done || r.failed || r.crc_bytes == 0) return py::none();
+                return py::int_(r.crc);
+            },
+            "CRC32C of the first crc_bytes bytes as transferred, once done; None if not asked for, not done or failed.")
+        .def_readonly("crc_bytes", &Request::crc_bytes)
         .def_readonly("path", &Request::path)
         .def_readonly("offset", &Request::offset)
         .def_readonly("nbytes", &Request::nbytes)
         .def_readonly("write", &Request::write);
     py::class_<Engine>(aio, "Engine")
-        .def(py::init<int64_t, int, int, bool, bool, bool>(), py::arg("block_size"), py::arg("queue_depth"),
-             py::arg("threads"), py::arg("single_submit"), py::arg("overlap_events"), py::arg("use_kaio") = true)
+        .def(py::init<int64_t, int, int, bool, bool, bool, int>(), py::arg("block_size"), py::arg("queue_depth"),
+             py::arg("threads"), py::arg("single_submit"), py::arg("overlap_events"), py::arg("use_kaio") = true,
+             py::arg("crc_path") = static_cast<int>(infinity_crc::best_path()))
         .def("submit", &Engine::submit, py::arg("write"), py::arg("fd"), py::arg("path"), py::arg("address"),
-             py::arg("offset"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
-             "Queue a read (write=False) or write of nbytes at address <-> file offset; returns a Request at once.")
+             py::arg("offset"), py::arg("nbytes"), py::arg("crc_bytes") = 0, py::call_guard<py::gil_scoped_release>(),
+             "Queue a read (write=False) or write of nbytes at address <-> file offset; returns a Request at once.\n"
+             "With crc_bytes > 0 the request's crc32c is that of its first crc_bytes bytes as transferred.")
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
              "Finish queued and in-flight chunks, then stop the workers.")
         .def_property_readonly("submitter", &Engine::submitter);

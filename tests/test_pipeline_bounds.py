@@ -160,3 +160,37 @@ def test_the_scheduler_holds_at_most_its_declared_gathered_weights(tmp_path, buc
     assert engine.scheduler.prefetches_issued > 0 or bucket == 0
     assert 0 < engine.scheduler.gathered_high_water_bytes <= bound
     engine.close()
+
+
+@pytest.mark.parametrize(
+    "dtype,clip,grad_accum,moments", [("fp32", 1.0, 1, "fp32"), ("bf16", 0.0, 1, "8bit"), ("fp32", 0.0, 2, "bf16")]
+)
+def test_the_swap_file_is_sized_to_exactly_what_the_run_writes(tmp_path, dtype, clip, grad_accum, moments):
+    """The plan's NVMe figure is the run's high-water mark, and the swap file is that plus its header: a
+    small model fits a small disk (issue 12), and the up-front free-space check asks for the right amount."""
+    import os
+
+    from infinity.storage import swap_file_bytes
+
+    cfg = ds_config(
+        micro_bs=1,
+        grad_accum=grad_accum,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        dtype=dtype,
+        clip=clip,
+        nvme_path=str(tmp_path),
+    )
+    cfg["zero_optimization"]["offload_optimizer"]["moments"] = moments
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    planned = engine.tiers.stats()["nvme"]["high_water_bytes"]  # before training: the first puts only
+    data = batches("gpt", 1)
+    for _ in range(2 * grad_accum):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    high_water = engine.tiers.high_water_bytes(Tier.NVME)
+    assert planned <= high_water == engine.nvme_bytes_planned
+    assert os.path.getsize(engine.tiers.swap_path) == swap_file_bytes(engine.nvme_bytes_planned)
+    engine.close()

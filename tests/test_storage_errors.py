@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,15 @@ import pytest
 import torch
 
 from infinity.config import AioConfig
-from infinity.storage import StorageError, SwapFileError, TierBudgets, TierStore
+from infinity.storage import (
+    StorageError,
+    SwapFileChangedError,
+    SwapFileError,
+    TierBudgets,
+    TierStore,
+    check_free_space,
+    swap_file_bytes,
+)
 
 pytest_plugins = ["storage_fixtures"]  # real directories: a direct-I/O disk, mounts that refuse it
 MiB = 1 << 20
@@ -110,25 +119,26 @@ def test_two_stores_of_one_process_cannot_share_a_file(disk_dir: Path) -> None:
             assert other.swap_path.endswith("infinity-rank1.swap")
 
 
-def test_a_file_truncated_behind_the_stores_back_is_an_error_not_weights(disk_dir: Path) -> None:
+def test_a_file_truncated_behind_the_stores_back_stops_every_later_access(disk_dir: Path) -> None:
     with _store(disk_dir) as store:
         low, high = torch.randn(300_000), torch.randn(300_000)
         store.put("low", low, "nvme").wait()
         store.put("high", high, "nvme").wait()
         high_offset = store._shards["high"].nvme_offset
         os.truncate(store.swap_path, high_offset + 4096)
-        with pytest.raises(SwapFileError) as info:
+        with pytest.raises(SwapFileChangedError) as info:
             store.fetch("high", "host").wait()
         message = str(info.value)
-        assert store.swap_path in message and "truncated" in message and "short read" in message
-        assert f"request offset {high_offset}, length {1_200_128}" in message  # 300_000 x 4 bytes, padded
+        assert "fetch of 'high'" in message and store.swap_path in message
+        assert f"is {high_offset + 4096} bytes" in message and "truncated" in message and "resume" in message
         assert "host" not in store.resident("high")
-        assert torch.equal(store.fetch("low", "device").wait(), low)  # other keys are unaffected
-        fresh = torch.randn(1000)
-        store.put("fresh", fresh, "nvme").wait()
-        assert torch.equal(store.fetch("fresh", "host").wait(), fresh)
-        store.write("high", high).wait()  # new contents make the key whole again
-        assert torch.equal(store.fetch("high", "host").wait(), high)
+        # The file is no longer trusted: intact keys, new keys and new contents all refuse, naming the cause.
+        with pytest.raises(SwapFileChangedError, match="truncated"):
+            store.fetch("low", "device").wait()
+        with pytest.raises(SwapFileChangedError, match="truncated"):
+            store.write("low", low).wait()
+        with pytest.raises(SwapFileError, match="truncated"):
+            store.fetch("low", "host").wait()  # its last write failed: the same cause, named again
 
 
 def test_close_removes_the_swap_file_and_refuses_further_use(disk_dir: Path) -> None:
@@ -164,7 +174,15 @@ _FSIZE_CHILD = """
 import resource, signal, sys
 import torch
 from infinity.config import AioConfig
-from infinity.storage import StorageError, SwapFileError, TierBudgets, TierStore
+from infinity.storage import (
+    StorageError,
+    SwapFileChangedError,
+    SwapFileError,
+    TierBudgets,
+    TierStore,
+    check_free_space,
+    swap_file_bytes,
+)
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 store = TierStore(sys.argv[1], AioConfig(), TierBudgets(), nvme_grow_bytes=8 << 20)
 kept = torch.randn(1 << 18)
@@ -211,3 +229,61 @@ def test_a_budget_wait_that_nothing_ends_times_out(disk_dir: Path) -> None:
         assert time.monotonic() - start < 5
         store.release("a", "device")
         store.fetch("b", "device").wait()
+
+
+def _small_fs(tmp_path: Path, size: str):
+    from storage_fixtures import mounted
+
+    return mounted(tmp_path / "small", "-t", "tmpfs", "-o", f"size={size}", "none")
+
+
+def test_a_store_sized_to_its_need_fits_a_small_disk_that_the_default_growth_does_not(tmp_path: Path) -> None:
+    shards = {i: torch.randn(250_000) for i in range(4)}  # 4 x 1 MB (slots of 1_003_520 bytes)
+    need = sum((t.numel() * 4 + 4095) // 4096 * 4096 for t in shards.values())
+    with _small_fs(tmp_path, "20m") as small:
+        with pytest.raises(StorageError) as info:
+            _store(small)  # the default first growth is 256 MiB
+        assert info.value.errno == errno.ENOSPC and "bytes free" in str(info.value)
+        with _store(small, expected_nvme_bytes=need) as store:
+            assert os.path.getsize(store.swap_path) == 4096 + need == swap_file_bytes(need)  # header, then the need
+            for key, t in shards.items():
+                store.put(key, t, "nvme").wait()
+            assert os.path.getsize(store.swap_path) == 4096 + need  # no growth was needed
+            for key, t in shards.items():
+                assert torch.equal(store.fetch(key, "host").wait(), t)
+                store.release(key, "host")
+        assert list(small.iterdir()) == []
+
+
+def test_growth_past_the_expected_need_is_in_small_steps(disk_dir: Path) -> None:
+    with _store(disk_dir, expected_nvme_bytes=16 * MiB) as store:
+        assert os.path.getsize(store.swap_path) == 4096 + 16 * MiB
+        store.put("a", torch.randn(4 * MiB), "nvme").wait()  # 16 MiB: fills the first growth
+        store.put("b", torch.ones(10), "nvme").wait()
+        assert os.path.getsize(store.swap_path) == 4096 + 16 * MiB + 2 * MiB  # an eighth of the need
+    with _store(disk_dir, expected_nvme_bytes=64 * MiB, nvme_grow_bytes=4 * MiB) as store:
+        store.put("a", torch.randn(16 * MiB), "nvme").wait()
+        store.put("b", torch.ones(10), "nvme").wait()
+        assert os.path.getsize(store.swap_path) == 4096 + 64 * MiB + 4 * MiB  # never more than nvme_grow_bytes
+
+
+def test_the_first_growth_stays_within_the_nvme_budget(disk_dir: Path) -> None:
+    store = TierStore(str(disk_dir), AioConfig(), TierBudgets(nvme_bytes=3 * MiB), expected_nvme_bytes=64 * MiB)
+    with store:
+        assert os.path.getsize(store.swap_path) == 4096 + 3 * MiB
+    with TierStore(str(disk_dir), AioConfig(), TierBudgets(nvme_bytes=3 * MiB)) as store:
+        assert os.path.getsize(store.swap_path) == 4096 + 3 * MiB
+
+
+def test_the_free_space_check_says_what_is_needed_and_what_is_free(tiny_fs_dir: Path) -> None:
+    check_free_space(str(tiny_fs_dir), 100 * 1024)  # fits in 1 MiB
+    with pytest.raises(StorageError) as info:
+        check_free_space(str(tiny_fs_dir), 3 * MiB)
+    free = shutil.disk_usage(tiny_fs_dir).free
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tiny_fs_dir)
+    assert f"has {free} bytes free" in message and f"need {3 * MiB} bytes" in message
+    assert f"free {3 * MiB - free} bytes there" in message
+    with pytest.raises(StorageError) as info:
+        check_free_space(str(tiny_fs_dir / "missing"), 1)
+    assert info.value.errno == errno.ENOENT and "not an existing directory" in str(info.value)

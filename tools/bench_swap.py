@@ -6,7 +6,11 @@ host memory, written in place as host copies are (steady state: the slots exist,
 first optimizer step); write_staged: the same from an unaligned tensor, through a staging copy.
 Store read: `fetch(key, "host")` in key order with a prefetch window, then `release`. fio: the
 same region of the same swap file, sequential, the engine's block size, libaio at --fio-iodepth.
-Every file is removed at the end. The last line is one JSON object.
+The store runs as training does: every write records a CRC32C, every read is checked against it,
+and the file's identity is checked before each access. Also measured: the checksum's own speed
+(one thread, each path this CPU runs, over one engine block of 1 MiB as the I/O threads see it and
+over a buffer larger than the caches) and the identity check's cost per access. Every file is
+removed at the end. The last line is one JSON object.
 
     python tools/bench_swap.py [--size-gib G] [--shard-mib 1 8 64] [--repeats 3] [--dir PATH] --json
 """
@@ -30,6 +34,7 @@ import torch
 from infinity.config import AioConfig
 from infinity.config.schema import parse_section
 from infinity.storage import TierBudgets, TierStore, aligned_empty
+from infinity.storage.checksum import crc32c, resolve_crc32c_path, supported_crc32c_paths
 
 MiB = 1 << 20
 
@@ -81,6 +86,28 @@ def store_read_gbps(store: TierStore, keys: list[int], shard_bytes: int, window:
     return len(keys) * shard_bytes / (time.perf_counter() - start) / 1e9
 
 
+def checksum_gbps(path: str, nbytes: int, repeats: int) -> float:
+    """CRC32C throughput of one thread over `nbytes` of memory (the median of at least `repeats` passes)."""
+    buf = aligned_empty(nbytes)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    crc32c(buf, path=path)  # touch the pages and warm the tables
+    times = []
+    for _ in range(max(repeats, (256 * MiB) // nbytes)):  # small buffers: more passes, a steadier median
+        start = time.perf_counter()
+        crc32c(buf, path=path)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def identity_check_us(store: TierStore, checks: int = 20_000) -> float:
+    """Microseconds per swap-file identity check (an fstat and a stat), which precedes every NVMe read and write."""
+    nvme = store._file
+    start = time.perf_counter()
+    for _ in range(checks):
+        nvme._identity.check(nvme.size_bytes)
+    return (time.perf_counter() - start) / checks * 1e6
+
+
 def bench_shard_size(
     workdir: Path,
     aio: AioConfig,
@@ -102,6 +129,7 @@ def bench_shard_size(
     with TierStore(str(workdir), aio, TierBudgets(host_bytes=host_budget)) as store:
         for handle in [store.put(key, source, "nvme") for key in keys]:  # slots laid out once, then overwritten
             handle.wait()
+        check_us = identity_check_us(store)
         path, first, _ = store.location(keys[0])
         if store.location(keys[-1])[1] != first + size - shard_bytes:
             raise RuntimeError("the shards' slots are not one contiguous region; fio would measure another one")
@@ -120,7 +148,11 @@ def bench_shard_size(
             for name in writes + reads:
                 if use_fio or not name.startswith("raw_"):
                     samples[name].append(runs[name]())
-        store_write_gbps(store, keys, unaligned)  # fio wrote its own bytes; put the shards back, then check
+                if name == "raw_write" and use_fio:
+                    # fio wrote its own bytes over the shards: put them back (untimed), or the store's verified
+                    # reads would rightly refuse them
+                    store_write_gbps(store, keys, source)
+        store_write_gbps(store, keys, unaligned)  # new contents through the staging path, then check them
         for key in {keys[0], keys[len(keys) // 2], keys[-1]}:
             if not torch.equal(store.fetch(key, "host").wait(), unaligned):
                 raise RuntimeError(f"shard {key} read back different bytes than were written")
@@ -148,6 +180,7 @@ def bench_shard_size(
         "paired_fraction_write": write_paired,  # median over repeats of store / the fio run beside it
         "paired_fraction_read": read_paired,
         "write_staged_gbps": round(med["write_staged"], 3),
+        "identity_check_us": round(check_us, 2),
         "prefetch_window": window,
         "host_budget_bytes": host_budget,
         "backend": backend,
@@ -164,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-mib", type=float, default=32, help="bytes prefetched ahead while reading")
     parser.add_argument("--fio-iodepth", type=int, default=32)
     parser.add_argument("--aio", default="{}", help="aio section as JSON, e.g. '{\"queue_depth\": 16}'")
+    parser.add_argument(
+        "--checksum-mib", type=float, nargs="+", default=[1, 256], help="buffers the checksum's speed is measured on"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
 
@@ -193,6 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    checksum = {
+        "verified": True,
+        "algorithm": "crc32c",
+        "path": resolve_crc32c_path(),
+        "gbps_one_thread": {  # per path, per buffer size in MiB
+            p: {f"{mib:g}": round(checksum_gbps(p, int(mib * MiB), args.repeats), 2) for mib in args.checksum_mib}
+            for p in supported_crc32c_paths()
+        },
+    }
     headline = results.get("8") or next(iter(results.values()))
     out = {
         **{
@@ -209,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 "backend",
             )
         },
+        "identity_check_us": headline["identity_check_us"],
+        "checksum": checksum,
         "headline_shard_mib": headline["shard_mib"],
         "per_shard_mib": results,
         "aio": dataclasses.asdict(aio),

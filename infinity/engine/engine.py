@@ -8,6 +8,7 @@ tiers and the shard store, shard the model into it, build the optimizer and the 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +20,7 @@ from infinity.comm import CommGroup, init_distributed
 from infinity.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, share_updated_partitions
 from infinity.engine.host_memory import limit_freed_memory
-from infinity.engine.memory_plan import plan_memory
+from infinity.engine.memory_plan import MemoryPlan, nvme_slot_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.sharding import shard_model
 from infinity.optim.loss_scaler import LossScaler
@@ -33,7 +34,7 @@ from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
 from infinity.shards import MallocTuning, Placement, ShardStore, resolve_placement
 from infinity.shards.registry import owner_of
-from infinity.storage import MoveCounter, Tier, TierStore
+from infinity.storage import MoveCounter, Recorder, Tier, TierStore, check_free_space, swap_file_bytes
 
 
 def compute_device() -> torch.device:
@@ -66,6 +67,29 @@ def apply_process_settings(placement: Placement) -> None:
         torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
     if placement.malloc is not MallocTuning.NONE:
         limit_freed_memory(return_to_os=placement.malloc is MallocTuning.RETURN_TO_OS)  # see host_memory
+
+
+def _open_tiers(
+    cfg: InfinityConfig, memory: MemoryPlan, nvme_bytes: int, rank: int, device: torch.device, recorder: Recorder
+) -> TierStore:
+    """The tier store, its swap file sized to this rank's NVMe slots after checking that the disk holds
+    every local rank's (they share the nvme_path)."""
+    z = cfg.zero_optimization
+    sections = (z.offload_param, z.offload_optimizer)
+    path = next((s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path), None)
+    if path is not None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_free_space(path, local_ranks * swap_file_bytes(nvme_bytes), f"{local_ranks} rank(s)' swap files")
+    return TierStore.from_config(
+        z.offload_param,
+        z.offload_optimizer,
+        cfg.aio,
+        memory.budgets,
+        rank=rank,
+        device=device,
+        recorder=recorder,
+        expected_nvme_bytes=nvme_bytes,
+    )
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -105,11 +129,10 @@ class InfinityEngine:
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
         memory = plan_memory(z, plan, self.placement)
+        self.nvme_bytes_planned = nvme_slot_bytes(plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps)
         self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
         self.moves = MoveCounter(forward=self.prof)  # the bytes that moved between tiers, for bytes_moved
-        self.tiers = TierStore.from_config(
-            z.offload_param, z.offload_optimizer, cfg.aio, memory.budgets, rank=rank, device=device, recorder=self.moves
-        )
+        self.tiers = _open_tiers(cfg, memory, self.nvme_bytes_planned, rank, device, self.moves)
         self.shards = ShardStore(
             self.tiers,
             self.placement,

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from infinity.config import ConfigError, ZeroConfig
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import BlockPlan
-from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
+from infinity.partition.flat_param import SHARD_ALIGN_ELEMS, FlatParam
 from infinity.scheduler import BlockScheduler
+from infinity.shards.moments import moment_format
 from infinity.shards.policy import Placement
 from infinity.shards.store import ShardStore
-from infinity.storage import Tier, TierBudgets
+from infinity.storage import ALIGN, Tier, TierBudgets
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,32 @@ def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryP
         if param_on_nvme:
             read_ahead = host - grad_rmw - (window * shard_state if optim_on_nvme else 0)
     return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def nvme_slot_bytes(plan: BlockPlan, group_of: dict[int, int], placement: Placement, grad_accumulation: int) -> int:
+    """The bytes this rank's shards take on NVMe (each slot padded to 4 KiB), as `shard_model` will lay
+    them out (one flat per block and param group): what the swap file is sized to and the disk must hold."""
+    world, p = placement.world_size, placement
+    moments = moment_format(p.moments)
+    # a gradient slot exists only where gradients must wait on disk for the step
+    grad_slot = p.optim_home is Tier.NVME and (not p.step_in_backward or grad_accumulation > 1)
+    total = 0
+    for uses in (*(b[2] for b in plan.blocks), plan.root, plan.persistent):
+        sizes: dict[int | None, int] = {}
+        for _, param, _ in uses:
+            group = group_of.get(id(param))
+            sizes[group] = sizes.get(group, 0) + param.numel()
+        for group, numel in sizes.items():
+            shard = FlatParam.shard_elems(numel, world)
+            if p.param_home is Tier.NVME:
+                total += _round_up(shard * p.compute_dtype.itemsize)
+            if group is None or p.optim_home is not Tier.NVME:
+                continue
+            if not p.master_is_param:
+                total += _round_up(4 * shard)
+            total += _round_up(moments.state_bytes(shard)) + (_round_up(4 * shard) if grad_slot else 0)
+    return total

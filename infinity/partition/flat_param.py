@@ -71,12 +71,16 @@ class FlatParam:
             offset += p.numel()
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
         self.numel = offset
-        per_rank = math.ceil(offset / comm.world_size)
-        self.shard_numel = math.ceil(per_rank / SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
+        self.shard_numel = self.shard_elems(offset, comm.world_size)
         self.padded_numel = self.shard_numel * comm.world_size
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self.state = FlatState.UNSHARDED  # the parameters' own values until the engine shards them
+
+    @staticmethod
+    def shard_elems(numel: int, world_size: int) -> int:
+        """Each rank's shard of a flat of `numel` elements: 1/world_size, padded to SHARD_ALIGN_ELEMS."""
+        return math.ceil(math.ceil(numel / world_size) / SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
 
     @property
     def unsharded(self) -> bool:

@@ -3,7 +3,8 @@
 Both engines take contiguous CPU tensors whose address, byte length and file offset are multiples
 of 4096, and return an `IoHandle` at once (no GIL held while the I/O runs). `wait()` raises
 `StorageError` naming the file, offset, length and errno; a short read is an error, never data.
-A handle keeps its buffer alive until the request is done.
+A handle keeps its buffer alive until the request is done. With `crc_bytes`, the handle's `crc32c`
+is the CRC32C of the first `crc_bytes` bytes as transferred (computed on the I/O threads).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import aiofiles
 import torch
 
 from infinity.config import AioConfig
+from infinity.storage.checksum import crc32c_address, crc32c_path_code, resolve_crc32c_path
 from infinity.storage.errors import StorageError
 
 ALIGN = 4096
@@ -31,6 +33,9 @@ class IoHandle(Protocol):
     def wait(self, timeout_s: float | None = None) -> None: ...
 
     def done(self) -> bool: ...
+
+    @property
+    def crc32c(self) -> int | None: ...  # after wait(): of the first crc_bytes bytes; None if not asked for
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class DoneHandle:
 
     def done(self) -> bool:
         return True
+
+    crc32c = None
 
 
 def _as_storage_error(exc: OSError) -> StorageError:
@@ -84,6 +91,10 @@ class _NativeHandle:
     def done(self) -> bool:
         return self._request.done()
 
+    @property
+    def crc32c(self) -> int | None:
+        return self._request.crc32c
+
     def __del__(self) -> None:
         # Freeing the buffer under an in-flight read would let the kernel write into reused memory.
         if not self._request.done():
@@ -96,27 +107,37 @@ class _Engine:
     def close_file(self, f: IoFile) -> None:
         os.close(f.fd)
 
-    def read(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
-        return self._submit(False, f, buf, offset)
+    def read(self, f: IoFile, buf: torch.Tensor, offset: int, crc_bytes: int = 0) -> IoHandle:
+        return self._submit(False, f, buf, offset, crc_bytes)
 
-    def write(self, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
-        return self._submit(True, f, buf, offset)
+    def write(self, f: IoFile, buf: torch.Tensor, offset: int, crc_bytes: int = 0) -> IoHandle:
+        return self._submit(True, f, buf, offset, crc_bytes)
 
-    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
+    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int, crc_bytes: int) -> IoHandle:
         raise NotImplementedError
 
 
 class DirectEngine(_Engine):
-    """The native engine over files opened with O_DIRECT (the page cache is bypassed)."""
+    """The native engine over files opened with O_DIRECT (the page cache is bypassed).
+
+    `crc_path` forces the checksum's path ("sse4.2" or "table"; see `resolve_crc32c_path`).
+    """
 
     backend = "odirect"
 
-    def __init__(self, cfg: AioConfig, use_kaio: bool = True) -> None:
+    def __init__(self, cfg: AioConfig, use_kaio: bool = True, crc_path: str | None = None) -> None:
         from infinity._native_loader import load_native
 
         self.cfg = cfg
+        self.crc_path = resolve_crc32c_path(crc_path)
         self._engine = load_native().aio.Engine(
-            cfg.block_size, cfg.queue_depth, cfg.intra_op_parallelism, cfg.single_submit, cfg.overlap_events, use_kaio
+            cfg.block_size,
+            cfg.queue_depth,
+            cfg.intra_op_parallelism,
+            cfg.single_submit,
+            cfg.overlap_events,
+            use_kaio,
+            crc32c_path_code(self.crc_path),
         )
         self.submitter = self._engine.submitter  # "kaio" (kernel AIO) or "pread" (blocking threads)
 
@@ -127,9 +148,9 @@ class DirectEngine(_Engine):
         except OSError as exc:
             raise _as_storage_error(exc) from None
 
-    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
+    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int, crc_bytes: int) -> IoHandle:
         nbytes = _check_buffer(buf)
-        return _NativeHandle(self._engine.submit(write, f.fd, f.path, buf.data_ptr(), offset, nbytes), buf)
+        return _NativeHandle(self._engine.submit(write, f.fd, f.path, buf.data_ptr(), offset, nbytes, crc_bytes), buf)
 
     def close(self) -> None:
         """Finish every queued request, then stop the worker threads."""
@@ -150,6 +171,12 @@ class _FutureHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    @property
+    def crc32c(self) -> int | None:
+        if not self._future.done() or self._future.exception() is not None:
+            return None
+        return self._future.result()
+
 
 class AiofilesEngine(_Engine):
     """Portable engine on aiofiles: an asyncio loop in a background thread, page-cached I/O.
@@ -161,8 +188,9 @@ class AiofilesEngine(_Engine):
     backend = "aiofiles"
     submitter = "aiofiles"
 
-    def __init__(self, cfg: AioConfig) -> None:
+    def __init__(self, cfg: AioConfig, crc_path: str | None = None) -> None:
         self.cfg = cfg
+        self.crc_path = resolve_crc32c_path(crc_path)
         self._executor = ThreadPoolExecutor(
             cfg.intra_op_parallelism * cfg.queue_depth, thread_name_prefix="infinity-aiofiles"
         )
@@ -178,13 +206,19 @@ class AiofilesEngine(_Engine):
         except OSError as exc:
             raise _as_storage_error(exc) from None
 
-    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int) -> IoHandle:
+    def _submit(self, write: bool, f: IoFile, buf: torch.Tensor, offset: int, crc_bytes: int) -> IoHandle:
         nbytes = _check_buffer(buf)
+        if not 0 <= crc_bytes <= nbytes:
+            raise ValueError(f"crc_bytes must be in [0, {nbytes}], got {crc_bytes}")
+        if not self._loop.is_running():
+            raise RuntimeError("the aio engine is closed")
         view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
-        coro = self._transfer(write, f.path, view, offset, nbytes)
+        coro = self._transfer(write, f.path, view, offset, nbytes, (buf.data_ptr(), crc_bytes))
         return _FutureHandle(asyncio.run_coroutine_threadsafe(coro, self._loop), buf)
 
-    async def _transfer(self, write: bool, path: str, view: memoryview, offset: int, nbytes: int) -> None:
+    async def _transfer(
+        self, write: bool, path: str, view: memoryview, offset: int, nbytes: int, crc_of: tuple[int, int]
+    ) -> int | None:
         what = "write" if write else "read"
         done = 0
         try:
@@ -210,6 +244,10 @@ class AiofilesEngine(_Engine):
                 "(file shorter than expected: truncated?)",
                 path,
             )
+        if not crc_of[1]:
+            return None
+        # Off the loop thread, GIL released: the checksum of a large buffer must not stall other transfers.
+        return await asyncio.get_running_loop().run_in_executor(None, crc32c_address, *crc_of, 0, self.crc_path)
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -245,12 +283,12 @@ def supports_direct_io(directory: str) -> bool:
         os.unlink(probe)
 
 
-def open_engine(cfg: AioConfig, directory: str, backend: str | None = None) -> Engine:
+def open_engine(cfg: AioConfig, directory: str, backend: str | None = None, crc_path: str | None = None) -> Engine:
     """The engine for files under `directory`: "odirect" where the filesystem allows it, else "aiofiles"."""
     if backend is None:
         backend = "odirect" if supports_direct_io(directory) else "aiofiles"
     if backend == "odirect":
-        return DirectEngine(cfg)
+        return DirectEngine(cfg, crc_path=crc_path)
     if backend == "aiofiles":
-        return AiofilesEngine(cfg)
+        return AiofilesEngine(cfg, crc_path)
     raise ValueError(f"unknown I/O backend {backend!r}; use 'odirect' or 'aiofiles'")

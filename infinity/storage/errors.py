@@ -13,3 +13,11 @@ class SwapFileError(StorageError):
 
 class BudgetError(MemoryError):
     """A tier's byte budget cannot hold a request: never (larger than the budget) or not in time."""
+
+
+class SwapFileChangedError(SwapFileError):
+    """The swap file was deleted, replaced, truncated or overwritten while the store used it."""
+
+
+class ChecksumError(SwapFileError):
+    """Bytes read back from the swap file differ from what was written (a CRC32C mismatch)."""

@@ -55,7 +55,7 @@ class Copy:
 class Shard:
     """One key: a flat tensor's shape of bytes, its home tier and its copies."""
 
-    __slots__ = ("key", "numel", "dtype", "nbytes", "home", "copies", "nvme_offset", "write_op", "lost")
+    __slots__ = ("key", "numel", "dtype", "nbytes", "home", "copies", "nvme_offset", "nvme_crc", "write_op", "lost")
 
     def __init__(self, key: Hashable, numel: int, dtype: torch.dtype, nbytes: int, home: Tier) -> None:
         self.key = key
@@ -65,6 +65,7 @@ class Shard:
         self.home = home
         self.copies: dict[Tier, Copy] = {}
         self.nvme_offset: int | None = None
+        self.nvme_crc: int | None = None  # CRC32C of the bytes last written to the NVMe slot; reads must match it
         self.write_op: MoveHandle | None = None  # the last write to the home, while in flight
         self.lost: BaseException | None = None  # the home's contents are undefined: its last write failed
 

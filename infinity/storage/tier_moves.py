@@ -18,9 +18,10 @@ from threading import RLock
 import torch
 
 from infinity.config import AioConfig
+from infinity.storage.aio import IoHandle
 from infinity.storage.buffer_pool import BufferPool, aligned_view, copy_bytes, round_up
 from infinity.storage.device_memory import DeviceMemory
-from infinity.storage.errors import StorageError, SwapFileError
+from infinity.storage.errors import StorageError, SwapFileChangedError, SwapFileError
 from infinity.storage.moves import Completer, Copy, MoveHandle, Shard, Tier, TierBudgets
 from infinity.storage.nvme_file import NvmeFile
 from infinity.storage.recorder import MoveEvent, Recorder
@@ -41,6 +42,7 @@ class TierMover:
         wait_timeout_s: float,
         backend: str | None,
         nvme_grow_bytes: int,
+        expected_nvme_bytes: int | None,
     ) -> None:
         self.rank = rank
         self.device = torch.device(device)
@@ -59,7 +61,9 @@ class TierMover:
         self._file: NvmeFile | None = None
         self.backend: str | None = None
         if nvme_path is not None:
-            self._file = NvmeFile(nvme_path, rank, aio, budgets.nvme_bytes, nvme_grow_bytes, backend)
+            self._file = NvmeFile(
+                nvme_path, rank, aio, budgets.nvme_bytes, nvme_grow_bytes, backend, expected_bytes=expected_nvme_bytes
+            )
             self.backend = self._file.engine.backend
         self._completer = Completer()
         self._closed = False
@@ -119,7 +123,7 @@ class TierMover:
                 self._ref(shard, source)
             t0 = time.perf_counter_ns() if self._recorder is not None else 0
             # A write in flight is queued ahead of this move; its job reads only after the write is done.
-            io = self._file.read(buf, shard.nvme_offset) if source is None and shard.write_op is None else None
+            io = self._read_nvme(shard, buf) if source is None and shard.write_op is None else None
             finish = functools.partial(self._finish_load, shard, copy, source, io, t0)
             if shard.write_op is None:  # else it must stay behind the write's job, in the mover's order
                 copy.finish = finish
@@ -144,7 +148,7 @@ class TierMover:
                         f"{shard.key!r} has no valid copy on nvme: its last write failed ({shard.lost})",
                         self._file.path,
                     )
-                (io or self._file.read(copy.buf, shard.nvme_offset)).wait()
+                (io or self._read_nvme(shard, copy.buf)).wait()
             else:
                 if source.error is not None:
                     raise source.error
@@ -195,23 +199,24 @@ class TierMover:
             else:
                 io_buf = aligned_view(flat)  # the caller's own aligned memory: no staging copy
             try:
-                io = self._file.write(io_buf, shard.nvme_offset)
+                io = self._file.write(io_buf, shard.nvme_offset, shard.nbytes)
             except BaseException as exc:
                 self._finish_write(shard, op, source, None, exc)  # the caller still owns `staging`
                 raise
 
         def finish() -> None:
-            error = None
+            error = crc = None
             try:
                 if io is not None:
                     io.wait()
+                    crc = io.crc32c
                 else:
                     self._copy_into(shard.copies[shard.home], flat.view(torch.uint8), shard.nbytes)
             except BaseException as exc:
                 error = exc
             if error is None:
                 self._record(shard, src_tier, shard.home, t0)
-            self._finish_write(shard, op, source, staging, error)
+            self._finish_write(shard, op, source, staging, error, crc)
 
         self._completer.submit(finish)
         return op
@@ -223,9 +228,11 @@ class TierMover:
         source: Copy | None,
         staging: torch.Tensor | None,
         error: BaseException | None,
+        crc: int | None = None,
     ) -> None:
         with self._lock:
             shard.lost = error if shard.home is Tier.NVME else None
+            shard.nvme_crc = crc
             if staging is not None:
                 self._mem[Tier.HOST].release(staging)
             if source is not None:
@@ -246,7 +253,8 @@ class TierMover:
             offset = self._file.allocate(shard.nbytes)
             t0 = time.perf_counter_ns() if self._recorder is not None else 0
             try:
-                self._file.write(host_copy.buf, offset).wait()
+                written = self._file.write(host_copy.buf, offset, shard.nbytes)
+                written.wait()
             except BaseException:
                 self._file.free(offset, shard.nbytes)
                 if fetched:
@@ -260,7 +268,7 @@ class TierMover:
             old.home = False
             shard.home = to
             if to is Tier.NVME:
-                shard.nvme_offset = offset
+                shard.nvme_offset, shard.nvme_crc = offset, written.crc32c
             else:
                 host_copy.home, host_copy.prefetched = True, False
                 self._idle[Tier.HOST].pop(shard.key, None)
@@ -344,13 +352,21 @@ class TierMover:
         loading = next((c for c in shard.copies.values() if not c.ready.is_set()), None)
         return None if loading is None else loading.ready.wait
 
+    def _read_nvme(self, shard: Shard, buf: torch.Tensor) -> IoHandle:
+        """Under the lock (or in the mover's order): a read of the key's slot, checked against its last write."""
+        return self._file.read(buf, shard.nvme_offset, shard.nbytes, shard.nvme_crc, f"fetch of {shard.key!r}")
+
     def _explain(self, shard: Shard, exc: StorageError) -> StorageError:
+        """The error a fetch raises: which key, and what is wrong with the swap file if anything is."""
+        what = f"fetch of {shard.key!r}"
+        if isinstance(exc, SwapFileChangedError) and not exc.strerror.startswith(what):
+            return SwapFileChangedError(exc.errno, f"{what}: {exc.strerror}", exc.filename)
         if isinstance(exc, SwapFileError):
             return exc
         diagnosis = self._file.diagnose(shard.nvme_offset + round_up(shard.nbytes)) if self._file else ""
-        cls = SwapFileError if diagnosis else StorageError
+        cls = SwapFileChangedError if diagnosis else StorageError
         return cls(
-            exc.errno, f"fetch of {shard.key!r}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename
+            exc.errno, f"{what}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename
         )
 
     def _record(self, shard: Shard, src: Tier, dst: Tier, t0: int) -> None:

@@ -37,7 +37,13 @@ class TierStore(TierMover):
 
     `nvme_path` None: no NVMe tier. A missing, unwritable or full path raises `StorageError` here,
     naming the path and its free space. The swap file is removed by close(), the context manager,
-    or at interpreter exit. `wait_timeout_s` bounds every wait for memory (then `BudgetError`).
+    at interpreter exit, or when a terminating signal ends the process. `wait_timeout_s` bounds
+    every wait for memory (then `BudgetError`).
+
+    `expected_nvme_bytes`: the bytes the run will put on NVMe (the sum of round_up(nbytes, 4096) over
+    its NVMe keys); the swap file's first growth is that much rather than `nvme_grow_bytes`. Every
+    NVMe read is checked against the CRC32C of its write: a fetch of damaged bytes raises
+    `ChecksumError`, of a deleted, replaced, truncated or overwritten file `SwapFileChangedError`.
     """
 
     def __init__(
@@ -52,9 +58,20 @@ class TierStore(TierMover):
         wait_timeout_s: float = 300.0,
         backend: str | None = None,
         nvme_grow_bytes: int = 256 << 20,
+        expected_nvme_bytes: int | None = None,
     ) -> None:
         super().__init__(
-            nvme_path, aio, budgets, rank, device, recorder, pin_memory, wait_timeout_s, backend, nvme_grow_bytes
+            nvme_path,
+            aio,
+            budgets,
+            rank,
+            device,
+            recorder,
+            pin_memory,
+            wait_timeout_s,
+            backend,
+            nvme_grow_bytes,
+            expected_nvme_bytes,
         )
 
     @classmethod
@@ -67,6 +84,7 @@ class TierStore(TierMover):
         rank: int = 0,
         device: torch.device | str = "cpu",
         recorder: Recorder | None = None,
+        expected_nvme_bytes: int | None = None,
     ) -> TierStore:
         """A store for the offload sections: one nvme_path shared by both, pinned if either asks."""
         paths = {}
@@ -82,7 +100,16 @@ class TierStore(TierMover):
             )
         pin = offload_param.pin_memory or offload_optimizer.pin_memory
         path = next(iter(paths.values()), None)
-        return cls(path, aio, budgets, rank=rank, device=device, recorder=recorder, pin_memory=pin)
+        return cls(
+            path,
+            aio,
+            budgets,
+            rank=rank,
+            device=device,
+            recorder=recorder,
+            pin_memory=pin,
+            expected_nvme_bytes=expected_nvme_bytes,
+        )
 
     def put(self, key: Hashable, tensor: torch.Tensor, home: Tier | str) -> MoveHandle:
         """Store a copy of `tensor` (any dtype, contiguous) under a new key whose home is `home`.

@@ -1,0 +1,36 @@
+"""Free space on the swap path, checked up front against what a run will write there."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+from infinity.storage.errors import StorageError
+
+GiB = 1 << 30
+
+
+def free_bytes(path: str) -> str:
+    """The free space under `path` in words, for error messages."""
+    try:
+        free = shutil.disk_usage(path).free
+        return f"{free} bytes free ({free / GiB:.2f} GiB)"
+    except OSError:
+        return "free space unknown"
+
+
+def check_free_space(nvme_path: str, needed_bytes: int, what: str = "the swap files") -> None:
+    """Raise `StorageError` (ENOSPC) if `nvme_path` has less than `needed_bytes` free, saying both figures."""
+    if not os.path.isdir(nvme_path):
+        message = f"nvme_path '{nvme_path}' is not an existing directory; create it or fix the config"
+        raise StorageError(errno.ENOENT, message, nvme_path)
+    free = shutil.disk_usage(nvme_path).free
+    if free < needed_bytes:
+        raise StorageError(
+            errno.ENOSPC,
+            f"nvme_path '{nvme_path}' has {free} bytes free ({free / GiB:.2f} GiB) but {what} need "
+            f"{needed_bytes} bytes ({needed_bytes / GiB:.2f} GiB): free {needed_bytes - free} bytes there, "
+            "choose an nvme_path on a larger disk, or keep more state in host memory",
+            nvme_path,
+        )
