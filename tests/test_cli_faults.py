@@ -276,7 +276,7 @@ def test_disk_full_during_a_save_names_the_file_and_free_space_and_removes_the_p
         verify_checkpoint(disk / "ck" / "global_step2")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_during_a_save_leaves_no_partial_checkpoint_and_no_swap_file(tmp_path, signum):
     args = ["train", "--model", "tiny", "--steps", "4", "--save-every", "2", "--save-dir", "ck", "--nvme-path", "nvme"]
     proc = _popen(args, tmp_path, INFINITY_TEST_PAUSE_IN_SAVE="1")
@@ -326,7 +326,8 @@ def test_help_lists_every_exit_code(tmp_path):
 # -- a peer that stops --------------------------------------------------------------------------------------
 
 
-def test_a_stopped_peer_ends_the_run_in_one_line_long_before_the_collective_timeout(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_stopped_or_dead_peer_ends_the_run_in_one_line_long_before_the_collective_timeout(tmp_path, signum):
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -353,7 +354,7 @@ def test_a_stopped_peer_ends_the_run_in_one_line_long_before_the_collective_time
     try:
         _wait_for(lambda: swap0.exists() and (tmp_path / "nvme" / "infinity-rank1.swap").exists(), ranks[0], "swap")
         assert "infinity: GPT 'tiny'" in ranks[0].stdout.readline()  # printed once training is about to start
-        ranks[1].send_signal(signal.SIGSTOP)
+        ranks[1].send_signal(signum)
         _, err = ranks[0].communicate(timeout=TIMEOUT_S)  # well before comm_timeout_s
     finally:
         for proc in ranks:
@@ -361,6 +362,10 @@ def test_a_stopped_peer_ends_the_run_in_one_line_long_before_the_collective_time
             proc.wait()
     assert ranks[0].returncode == ExitCode.PEER
     line = _one_line(err)
-    assert line.startswith("infinity train: rank 0: rank 1 has sent no heartbeat for "), line
-    assert f"heartbeat_timeout_s, is {heartbeat_s} s" in line and "stopped, hung" in line
+    if signum == signal.SIGSTOP:  # only the heartbeat can tell: the stopped rank's connections stay open
+        assert line.startswith("infinity train: rank 0: rank 1 has sent no heartbeat for "), line
+        assert f"heartbeat_timeout_s, is {heartbeat_s} s" in line and "stopped, hung" in line
+    else:  # a closed connection: the collective fails at once
+        assert line.startswith("infinity train: rank 0/2: "), line
+        assert "a peer rank has probably died" in line
     assert not swap0.exists()  # the abort ran the storage's cleanups

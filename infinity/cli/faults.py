@@ -152,7 +152,10 @@ def _prefix(command: str) -> str:
 
 def report(command: str, message: str) -> None:
     """Print `message` as the command's one error line on stderr."""
-    print(_prefix(command) + _one_line(message), file=sys.stderr, flush=True)
+    prefix = _prefix(command)
+    if message.startswith(f"rank {os.environ.get('RANK')}/"):  # it names the rank already (a CommError)
+        prefix = f"infinity {command}: "
+    print(prefix + _one_line(message), file=sys.stderr, flush=True)
 
 
 def raise_on_terminate(signum: int, _frame) -> None:
