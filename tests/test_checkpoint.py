@@ -181,7 +181,10 @@ def test_newest_verified_checkpoint_goes_by_step_skips_damaged_ones_and_never_ta
         (lambda m: m.pop("world_size"), "it has no 'world_size'"),
         (lambda m: m.update(world_size="2"), "its 'world_size' is '2', not a positive integer"),
         (lambda m: m.pop("files"), "it has no 'files'"),
-        (lambda m: m["files"][model_file(0)].pop("sha256"), f"entry for '{model_file(0)}' lacks 'bytes' or 'sha256'"),
+        (
+            lambda m: m["files"][model_file(0)].pop("sha256"),
+            f"its entry for '{model_file(0)}' lacks 'bytes' or 'sha256'",
+        ),
     ],
 )
 def test_a_manifest_without_what_loading_needs_is_named(tmp_path, damage, named):
