@@ -79,14 +79,15 @@ def size_from_params(total_params: float) -> ModelSize:
     return ModelSize(p, min(p, int(12 * hidden * hidden)))
 
 
-def gpt_model_size(preset: str) -> ModelSize:
-    """Exact counts for a GPT preset, built on the meta device (no memory is allocated)."""
+def gpt_model_size(preset: str, **overrides) -> ModelSize:
+    """Exact counts for a GPT preset (fields replaced by `overrides`, e.g. block_size), built on the meta
+    device (no memory is allocated)."""
     import torch
 
     from infinity.models.gpt import GPT, gpt_preset
 
     with torch.device("meta"):
-        model = GPT(gpt_preset(preset))
+        model = GPT(gpt_preset(preset, **overrides))
     total = sum(p.numel() for p in model.parameters())
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     root = total - sum(blocks)  # embeddings, final norm and head: the engine's root block
@@ -127,6 +128,16 @@ def estimate(
         host_bytes=gpus_per_node * (tiers["cpu"] + staging),
         nvme_bytes=gpus_per_node * tiers["nvme"],
     )
+
+
+def host_resident_bytes(
+    size: ModelSize, offload_param: str, offload_optimizer: str, ranks: int = 1, dtype_bytes: int = 2
+) -> int:
+    """Bytes per rank of the model states whose home is host memory (the "cpu" offloads), NVMe staging
+    left out: the least a `zero_optimization.host_budget_bytes` must hold for them."""
+    param = offload_param if offload_param == "cpu" else "none"
+    optim = offload_optimizer if offload_optimizer == "cpu" else "none"
+    return estimate(size, param, optim, gpus_per_node=1, nodes=ranks, dtype_bytes=dtype_bytes).host_bytes
 
 
 def fits(need: MemoryNeed, machine: Machine) -> bool:

@@ -47,8 +47,9 @@ def damage(swap: str, fault: str) -> None:
             fh.seek(4096)  # past the header: the shards themselves
             fh.write(rng.randbytes(4 * MiB))
     elif fault == "bitflip":
+        size = os.path.getsize(swap)  # the file is sized to the run's slots: flip within them
         with open(swap, "r+b") as fh:  # one bit in every 32 KiB of the shards' region: one or more per shard
-            for offset in range(4096, 4096 + 2 * MiB, 32 * 1024):
+            for offset in range(4096, min(size, 4096 + 2 * MiB), 32 * 1024):
                 fh.seek(offset)
                 byte = fh.read(1)[0]
                 fh.seek(offset)

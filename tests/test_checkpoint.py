@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import re
+import shutil
+
 import pytest
 import torch
 from dist import run_distributed
 from engine_cases import batches, ds_config, make_model
 
 import infinity
-from infinity.engine.checkpoint import CheckpointError
+from infinity.engine.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    list_checkpoints,
+    model_file,
+    newest_verified_checkpoint,
+    optim_file,
+    verify_checkpoint,
+)
+
+pytest_plugins = ["storage_fixtures"]  # a tiny tmpfs for a full disk
 
 
 def _config(offload: str) -> dict:
@@ -136,3 +151,74 @@ def test_save_without_latest_leaves_the_pointer(tmp_path):
     engine.save_checkpoint(str(tmp_path), tag="extra", save_latest=False)
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert (tmp_path / "extra").is_dir()
+
+
+# -- finding a checkpoint to resume from -----------------------------------------------------------------
+
+
+def test_newest_verified_checkpoint_goes_by_step_skips_damaged_ones_and_never_takes_staging(tmp_path):
+    engine, _ = _saved_engine(tmp_path)  # global_step2
+    _train(engine, batches("mlp", 2), 2)
+    engine.save_checkpoint(str(tmp_path), tag="best", save_latest=False)  # step 4, a name that sorts first
+    _train(engine, batches("mlp", 2), 2)
+    engine.save_checkpoint(str(tmp_path))  # global_step6
+    shutil.copytree(tmp_path / "global_step6", tmp_path / ".global_step8.tmp")  # an unpublished save
+    assert list_checkpoints(tmp_path) == ["best", "global_step2", "global_step6"]
+    assert newest_verified_checkpoint(tmp_path) == ("global_step6", tmp_path / "global_step6")
+
+    victim = tmp_path / "global_step6" / optim_file(0)
+    victim.write_bytes(victim.read_bytes()[:-1])
+    assert newest_verified_checkpoint(tmp_path) == ("best", tmp_path / "best")
+    assert newest_verified_checkpoint(tmp_path, exclude=[tmp_path / "best"]) == (
+        "global_step2",
+        tmp_path / "global_step2",
+    )
+
+
+@pytest.mark.parametrize(
+    "damage,named",
+    [
+        (lambda m: m.pop("world_size"), "it has no 'world_size'"),
+        (lambda m: m.update(world_size="2"), "its 'world_size' is '2', not a positive integer"),
+        (lambda m: m.pop("files"), "it has no 'files'"),
+        (
+            lambda m: m["files"][model_file(0)].pop("sha256"),
+            f"its entry for '{model_file(0)}' lacks 'bytes' or 'sha256'",
+        ),
+    ],
+)
+def test_a_manifest_without_what_loading_needs_is_named(tmp_path, damage, named):
+    engine, _ = _saved_engine(tmp_path)
+    path = tmp_path / "global_step2" / MANIFEST.format(rank=0)
+    manifest = json.loads(path.read_text())
+    damage(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"manifest '{path}' is damaged: {re.escape(named)}"):
+        engine.load_checkpoint(str(tmp_path))
+
+
+def test_an_empty_latest_is_named_with_the_checkpoints_there(tmp_path):
+    engine, _ = _saved_engine(tmp_path)
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(CheckpointError, match=r"latest' is empty.*checkpoints there: global_step2; pass tag="):
+        engine.load_checkpoint(str(tmp_path))
+
+
+# -- a save that fails -----------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_fails_the_save_naming_the_file_removes_its_staging_at_once_and_keeps_the_last(tmp_path):
+    from storage_fixtures import mounted
+
+    probe, _ = _saved_engine(tmp_path / "probe")
+    size = sum(p.stat().st_size for p in (tmp_path / "probe" / "global_step2").iterdir())
+    room = int(1.5 * size) // 4096 * 4096  # one checkpoint, not two
+    with mounted(tmp_path / "small_disk", "-t", "tmpfs", "-o", f"size={room}", "none") as disk:
+        probe.save_checkpoint(str(disk), tag="first")
+        _train(probe, batches("mlp", 2), 1)
+        with pytest.raises(OSError, match=r"cannot write checkpoint file '.*\.second\.tmp/.*': No space left") as info:
+            probe.save_checkpoint(str(disk), tag="second")
+        assert info.value.errno == errno.ENOSPC and "free there" in str(info.value)
+        assert sorted(p.name for p in disk.iterdir()) == ["first", "latest"]  # no exit needed to clean up
+        verify_checkpoint(disk / "first")
+        assert (disk / "latest").read_text() == "first"

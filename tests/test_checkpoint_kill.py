@@ -20,6 +20,7 @@ from engine_cases import ds_config, make_model
 
 import infinity
 from infinity.engine import checkpoint as ckpt
+from infinity.engine import checkpoint_folder
 from infinity.engine.checkpoint import OPTIM_STATES, CheckpointError, CheckpointFiles, resolve_folder
 
 STEPS = 40
@@ -192,14 +193,14 @@ def test_crash_between_the_renames_of_a_resaved_tag_leaves_it_loadable(tmp_path,
 def test_crash_before_latest_is_rewritten_leaves_the_previous_checkpoint_current(tmp_path, monkeypatch):
     engine = _engine()
     engine.save_checkpoint(str(tmp_path), tag="first")
-    real_write = ckpt._write_text
+    real_write = checkpoint_folder.write_text
 
     def crash_on_latest(path, text):
         if path.name == ".latest.tmp":
             raise _Crash
         real_write(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_text", crash_on_latest)
+    monkeypatch.setattr(checkpoint_folder, "write_text", crash_on_latest)
     with pytest.raises(_Crash):
         engine.save_checkpoint(str(tmp_path), tag="second")
     monkeypatch.undo()

@@ -15,6 +15,7 @@ import torch
 from dist import run_distributed
 
 from infinity.cli import main
+from infinity.cli.faults import ExitCode
 from infinity.cli.progress import Progress, format_rates
 from infinity.engine.checkpoint import MANIFEST, model_file, optim_file
 
@@ -119,8 +120,9 @@ def test_nvme_offload_without_a_path_asks_for_nvme_path(tmp_path, capsys):
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     args = ["train", "--model", "tiny", "--steps", "2", "--offload", "cpu", "--save-dir", str(tmp_path), "--resume"]
-    assert main(args) == 2
-    assert "cannot resume" in capsys.readouterr().err
+    assert main(args) == ExitCode.CHECKPOINT
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "no checkpoint there is complete" in err and "without --resume" in err
 
 
 def test_resume_continues_to_the_total_step_count(tmp_path, capsys):
@@ -139,7 +141,7 @@ def test_consolidate_command_writes_a_loadable_state_dict(tmp_path, capsys):
     from infinity.models.gpt import GPT, gpt_preset
 
     GPT(gpt_preset("tiny")).load_state_dict(torch.load(tmp_path / "model.pt"))
-    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 2
+    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == ExitCode.CHECKPOINT
 
 
 def train_on_this_rank(save_dir: str) -> tuple[int, str]:

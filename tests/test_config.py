@@ -110,6 +110,30 @@ def test_indivisible_batch_size_shows_the_divisor():
         resolve_batch_sizes(cfg, world_size=1)
 
 
+def test_integers_beyond_what_torch_holds_are_refused_naming_the_key():
+    key = "train_micro_batch_size_per_gpu"
+    with pytest.raises(ConfigError, match=rf"'{key}' is 1e\+30; it must be an integer below 2\*\*63"):
+        load_config({key: 1e30})
+    with pytest.raises(ConfigError, match=r"'zero_optimization\.sub_group_size' is 2361183241434822606848; .*2\*\*63"):
+        load_config(_minimal(zero_optimization={"sub_group_size": 2**71}))
+    with pytest.raises(ConfigError, match=r"'gradient_accumulation_steps' is 1000000000000\.0; it must be <= 1048576"):
+        load_config(_minimal(gradient_accumulation_steps=1e12))
+    cfg = load_config(_minimal(zero_optimization={"reduce_bucket_size": 5e8}))
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000  # DeepSpeed's way of writing sizes
+
+
+def test_a_number_that_is_not_finite_is_refused():
+    with pytest.raises(ConfigError, match=r"'gradient_clipping' is nan; it must be a finite number"):
+        load_config(_minimal(gradient_clipping=float("nan")))
+
+
+def test_a_null_optimizer_is_refused_and_an_absent_one_is_the_documented_default():
+    with pytest.raises(ConfigError, match=r"'optimizer' is null: .*remove the key to train with the default \(AdamW"):
+        load_config(_minimal(optimizer=None))
+    assert load_config(_minimal()).optimizer is None  # the engine's AdamW at DeepSpeed's Adam defaults
+    assert load_config(_minimal(scheduler=None)).scheduler is None  # null is the default: no schedule
+
+
 def test_fp16_and_bf16_together_are_refused():
     with pytest.raises(ConfigError, match="'fp16.enabled' and 'bf16.enabled' are both true"):
         load_config(_minimal(fp16={"enabled": True}, bf16={"enabled": True}))
@@ -141,6 +165,9 @@ def test_a_key_given_twice_under_its_alias_is_refused():
 def test_bad_config_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.json")
+    (tmp_path / "ds.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a directory \(it holds ds\.json\); give the path of the JSON file"):
+        load_config(tmp_path)
     broken = tmp_path / "broken.json"
     broken.write_text('{"train_batch_size": 4,}')
     with pytest.raises(ConfigError, match=r"broken\.json' is not valid JSON"):

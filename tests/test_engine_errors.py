@@ -80,10 +80,10 @@ def test_a_refused_initialize_leaves_the_model_usable():
 # -- the config ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_zero_stage_other_than_3_is_refused_saying_stage_3(stage):
-    cfg = feature_config(extra_zero={"stage": stage})
-    with pytest.raises(ConfigError, match=rf"'zero_optimization.stage' is {stage}; .*stage 3 only: set it to 3"):
+def test_zero_stage_zero_is_refused_naming_the_stages_there_are():
+    """Stages 1, 2 and 3 train (`test_zero_stages`); stage 0 is plain data parallelism."""
+    cfg = feature_config(extra_zero={"stage": 0})
+    with pytest.raises(ConfigError, match=r"'zero_optimization.stage' is 0; infinity implements ZeRO stages 1, 2 and 3"):
         infinity.initialize(model=build("mlp"), config=cfg)
 
 
@@ -167,3 +167,21 @@ def test_peer_failure_mid_step_raises_comm_error_naming_the_collective(mode):
     assert status == "ok"
     assert issubclass(result["type"], CommError), result
     assert "rank 0/2" in result["message"] and "parameters of" in result["message"]
+
+
+def test_a_host_budget_smaller_than_the_host_homed_shards_is_refused_before_anything_is_built():
+    """cpu offload keeps parameter shards, masters, moments and gradient accumulators in host memory: an
+    explicit host budget below their size is a ConfigError naming the key and the bytes needed."""
+    model = build("mlp")
+    cfg = feature_config()
+    cfg["zero_optimization"].update(
+        {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}, "host_budget_bytes": 10_000}
+    )
+    with pytest.raises(ConfigError, match=r"host_budget_bytes' is 10000; the shards .* need (\d+) bytes") as info:
+        infinity.initialize(model=model, config=cfg)
+    needed = int(info.value.args[0].split(" need ")[1].split()[0])
+    assert needed > 10_000 and needed % 4096 == 0  # whole 4 KiB buffers, as the pool hands them out
+    cfg["zero_optimization"]["host_budget_bytes"] = needed + (4 << 20)  # and a budget that holds them works
+    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=cfg)
+    assert engine.tiers.stats()["host"]["high_water_bytes"] >= needed
+    engine.close()

@@ -6,6 +6,10 @@ infinity consolidate CKPT OUT     write one full fp32 state dict from a sharded 
 infinity estimate --params N      memory needed per offload choice, and the largest model that fits here
 infinity profile TRACE... [--out DIR]   summarize and diagnose swap traces (`infinity train --profile`)
 infinity tune --config FILE [...] try offload settings in short trials, write the fastest as FILE's .tuned.json
+
+A user error (config, paths, disk full, a busy swap file, a bad checkpoint, a peer that died or
+stopped) ends in one line on stderr and an exit code per cause (`infinity.cli.faults`); `--debug`
+or INFINITY_DEBUG=1 adds the traceback. A bug in infinity ends in a traceback and exit code 1.
 """
 
 from __future__ import annotations
@@ -19,10 +23,19 @@ COMMANDS = ("train", "config", "consolidate", "estimate", "profile", "tune")
 
 def _parser() -> argparse.ArgumentParser:
     from infinity.cli import estimate
+    from infinity.cli.faults import EXIT_CODES_HELP
     from infinity.cli.train import DEFAULT_MODEL, DEFAULT_STEPS, add_train_arguments
     from infinity.models.gpt import GPT_PRESETS
 
-    parser = argparse.ArgumentParser(prog="infinity", description="Train models larger than your hardware.")
+    parser = argparse.ArgumentParser(
+        prog="infinity",
+        description="Train models larger than your hardware.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error too (any command; or INFINITY_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command")
     add_train_arguments(sub.add_parser("train", help="train a GPT (the default job with no arguments)"))
 
@@ -55,30 +68,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> int:
     from infinity.cli.train import build_config
-    from infinity.config import ConfigError, resolve_batch_sizes
+    from infinity.config import resolve_batch_sizes
     from infinity.models.gpt import gpt_preset
 
     args.config = args.file
-    try:
-        cfg = build_config(args, gpt_preset(args.model).n_embd)
-        cfg = resolve_batch_sizes(cfg, args.world_size)
-    except (ConfigError, KeyError) as exc:
-        print(f"infinity config: {exc}", file=sys.stderr)
-        return 2
+    cfg = build_config(args, gpt_preset(args.model).n_embd)
+    cfg = resolve_batch_sizes(cfg, args.world_size)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from infinity.engine.checkpoint import CheckpointError
+    from infinity.engine.checkpoint import resolve_folder
     from infinity.engine.consolidate import consolidate
     from infinity.estimator import format_bytes
 
-    try:
-        result = consolidate(args.checkpoint, args.out, tag=args.tag, fmt=args.format)
-    except CheckpointError as exc:
-        print(f"infinity consolidate: {exc}", file=sys.stderr)
-        return 2
+    folder = resolve_folder(args.checkpoint, args.tag, tag_hint="name one with --tag TAG")
+    result = consolidate(folder, args.out, fmt=args.format)
     print(
         f"wrote {result.path} ({result.format}): {result.tensors} tensors, {result.parameters:,} parameters, "
         f"{format_bytes(result.bytes)}"
@@ -87,10 +93,17 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command `argv` names; its exit code (see `infinity --help`)."""
+    from infinity.cli.faults import debug_requested, guarded
+
+    debug, argv = debug_requested(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv.insert(0, "train")  # `infinity`, `infinity --steps 10`: the train command
     args = _parser().parse_args(argv)
+    return guarded(args.command, lambda: _run(args), debug)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from infinity.cli.train import run_train
 

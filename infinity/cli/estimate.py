@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from infinity.config import ConfigError
 from infinity.estimator import (
     OFFLOAD_CHOICES,
     ModelSize,
@@ -43,7 +44,7 @@ def model_size(args: argparse.Namespace) -> ModelSize:
 
 def run(args: argparse.Namespace) -> int:
     if args.gpus < 1 or args.nodes < 1:
-        raise SystemExit("infinity estimate: --gpus and --nodes must be >= 1")
+        raise ConfigError("--gpus and --nodes must be >= 1")
     size = model_size(args)
     dtype_bytes = _DTYPE_BYTES[args.dtype]
     machine = probe_machine(args.nvme_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dir", default=DEFAULT_SAVE_DIR, help="where checkpoints are written")
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--resume-tag", metavar="TAG", help="continue from the checkpoint TAG in --save-dir")
+    parser.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume: if the named checkpoint is missing or damaged, take the newest one that verifies",
+    )
     parser.add_argument("--nvme-path", help=f"folder for NVMe offload (default: {DEFAULT_NVME_PATH})")
     parser.add_argument(
         "--offload", choices=("none", "cpu", "nvme"), help="override offload_param and offload_optimizer devices"
@@ -173,19 +179,38 @@ def _mean_over_ranks(engine, value: float) -> float:
     return t.item()
 
 
+def _join_and_watch_peers(config: InfinityConfig):
+    """Join the process group (torchrun's environment) and start the heartbeat that ends the run when a
+    peer stops; the Heartbeat, or None with one rank or the heartbeat off."""
+    from infinity.cli.faults import on_peer_silent
+    from infinity.comm import init_distributed, start_heartbeat
+
+    z = config.zero_optimization
+    rank, world = init_distributed(torch.device("cuda" if torch.cuda.is_available() else "cpu"), z.comm_timeout_s)
+    return start_heartbeat(rank, world, z.heartbeat_timeout_s, on_peer_silent("train"))
+
+
 def _start(args: argparse.Namespace):
-    """Build the model, config, engine and batches; returns (engine, model config, batches)."""
+    """Build the model, config, engine and batches; returns (engine, model config, batches, heartbeat)."""
     import infinity
+    from infinity.cli.preflight import check_host_budget, check_save_dir, prepare_nvme_folders
     from infinity.data.corpus import ByteBatches, load_corpus
     from infinity.models.gpt import GPT
 
     model_cfg = _model_config(args)
     config = build_config(args, model_cfg.n_embd)
-    for section in (config.zero_optimization.offload_param, config.zero_optimization.offload_optimizer):
-        if section.device == "nvme":
-            Path(section.nvme_path).mkdir(parents=True, exist_ok=True)  # the engine wants it to exist
+    check_save_dir(args.save_dir)
+    prepare_nvme_folders(config, from_flag=args.nvme_path is not None)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_host_budget(config, args.model, model_cfg.block_size, world)
+    heartbeat = _join_and_watch_peers(config)
     torch.manual_seed(args.seed)
-    engine, _, _, _ = infinity.initialize(model=GPT(model_cfg), config=config)
+    try:
+        engine, _, _, _ = infinity.initialize(model=GPT(model_cfg), config=config)
+    except BaseException:
+        if heartbeat is not None:
+            heartbeat.stop()  # this rank ends now: not silent, gone
+        raise
     cfg = engine.config
     data = ByteBatches(
         load_corpus("train"),
@@ -195,7 +220,7 @@ def _start(args: argparse.Namespace):
         engine.comm.rank,
         engine.comm.world_size,
     )
-    return engine, model_cfg, data
+    return engine, model_cfg, data, heartbeat
 
 
 def _describe(engine, args: argparse.Namespace, seq: int) -> str:
@@ -210,32 +235,71 @@ def _describe(engine, args: argparse.Namespace, seq: int) -> str:
     )
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Train per `args`; returns the process exit code (2 for a config or checkpoint problem)."""
-    from infinity.cli.progress import Progress
+def _resume(engine, data, args: argparse.Namespace, say) -> str:
+    """Load the checkpoint `--resume` / `--resume-tag` names (see `infinity.cli.resume`); its name."""
+    from infinity.cli.resume import resume
     from infinity.engine.checkpoint import CheckpointError
 
-    if args.steps < 1 or args.save_every < 0:
-        print("infinity train: --steps must be >= 1 and --save-every >= 0", file=sys.stderr)
-        return 2
-    torch.set_flush_denormal(True)
+    tag, client = resume(engine, args.save_dir, args.resume_tag, args.resume_fallback, say)
+    if "data" not in client:
+        raise CheckpointError(
+            f"checkpoint '{tag}' in '{args.save_dir}' was not written by `infinity train` (it has no batch-stream "
+            "position); load it with engine.load_checkpoint in your own loop"
+        )
     try:
-        engine, model_cfg, data = _start(args)
-    except ConfigError as exc:
-        print(f"infinity train: {exc}", file=sys.stderr)
-        return 2
-    if args.resume:
-        try:
-            _, client = engine.load_checkpoint(args.save_dir)
-            data.load_state_dict(client["data"])  # ValueError if the batch stream differs
-        except (CheckpointError, ValueError, KeyError) as exc:
-            print(f"infinity train: cannot resume from '{args.save_dir}': {exc}", file=sys.stderr)
-            return 2
+        data.load_state_dict(client["data"])
+    except ValueError as exc:
+        raise CheckpointError(
+            f"checkpoint '{tag}' in '{args.save_dir}' was written by a run with another batch stream: {exc}; "
+            "resume with the same --model, --seq, --seed, batch sizes and number of ranks"
+        ) from exc
+    return tag
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Train per `args`; returns the process exit code. User errors raise (see `infinity.cli.faults`)."""
+    if args.steps < 1 or args.save_every < 0:
+        raise ConfigError("--steps must be >= 1 and --save-every >= 0")
+    if args.resume_fallback and not (args.resume or args.resume_tag):
+        raise ConfigError("--resume-fallback applies to a resume: add --resume (or --resume-tag TAG)")
+    torch.set_flush_denormal(True)
+    engine, model_cfg, data, heartbeat = _start(args)
+    try:
+        return _train(engine, model_cfg, data, args)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _loop(engine, data, args: argparse.Namespace, start_step: int, progress, losses: list[float], save, say) -> None:
+    """Train steps start_step+1 .. args.steps, appending each step's loss (mean over ranks) to `losses`."""
+    for step in range(start_step + 1, args.steps + 1):
+        step_loss = 0.0
+        for _ in range(engine.gradient_accumulation_steps):
+            x, y = next(data)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / engine.gradient_accumulation_steps
+        losses.append(_mean_over_ranks(engine, step_loss))
+        if progress is not None:
+            progress.update(step, losses[-1], engine.bytes_moved, engine.get_lr()[0])
+        if args.save_every and step % args.save_every == 0 and step != args.steps:
+            folder = save()
+            if progress is not None:
+                progress.close()
+            say(f"checkpoint: {folder}")
+
+
+def _train(engine, model_cfg, data, args: argparse.Namespace) -> int:
+    from infinity.cli.progress import Progress
+
     rank = engine.comm.rank
     say = print if rank == 0 else (lambda *a, **k: None)
+    resumed = _resume(engine, data, args, say) if args.resume or args.resume_tag else None
     start_step = engine.global_steps
-    if args.resume:
-        say(f"resumed from {args.save_dir} at step {start_step}")
+    if resumed is not None:
+        say(f"resumed from {args.save_dir} ({resumed}) at step {start_step}")
     say(_describe(engine, args, model_cfg.block_size))
     if start_step >= args.steps:
         say(f"nothing to do: the checkpoint is at step {start_step} and --steps is {args.steps}")
@@ -253,25 +317,12 @@ def run_train(args: argparse.Namespace) -> int:
         )
     losses: list[float] = []
     started = time.perf_counter()
-    for step in range(start_step + 1, args.steps + 1):
-        step_loss = 0.0
-        for _ in range(engine.gradient_accumulation_steps):
-            x, y = next(data)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / engine.gradient_accumulation_steps
-        losses.append(_mean_over_ranks(engine, step_loss))
+    try:
+        _loop(engine, data, args, start_step, progress, losses, save, say)
+    finally:
         if progress is not None:
-            progress.update(step, losses[-1], engine.bytes_moved, engine.get_lr()[0])
-        if args.save_every and step % args.save_every == 0 and step != args.steps:
-            folder = save()
-            if progress is not None:
-                progress.close()
-            say(f"checkpoint: {folder}")
+            progress.close()  # an error's line starts on a line of its own
     elapsed = time.perf_counter() - started
-    if progress is not None:
-        progress.close()
     folder = save()
     k = max(1, min(10, len(losses) // 10))
     say(

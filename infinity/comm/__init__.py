@@ -1,6 +1,17 @@
-"""Collectives over flat buffers (all-gather, reduce-scatter, all-reduce) and process-group set-up."""
+"""Collectives over flat buffers (all-gather, reduce-scatter, all-reduce), process-group set-up, and the
+heartbeat that ends a run whose peer has stopped."""
 
+from infinity.comm.abort import end_process
 from infinity.comm.collectives import CommError, CommGroup
+from infinity.comm.heartbeat import Heartbeat, PeerSilentError, start_heartbeat
 from infinity.comm.process_group import init_distributed
 
-__all__ = ["CommError", "CommGroup", "init_distributed"]
+__all__ = [
+    "CommError",
+    "CommGroup",
+    "Heartbeat",
+    "PeerSilentError",
+    "end_process",
+    "init_distributed",
+    "start_heartbeat",
+]

@@ -22,15 +22,24 @@ from infinity.config.sections import (
     ZeroConfig,
 )
 
+MAX_BATCH = 2**20  # sequences: far above any real batch, far below what overflows torch's sizes
+
+_NULL_OPTIMIZER = (
+    "infinity needs an optimizer; remove the key to train with the default (AdamW: lr 1e-3, betas "
+    '[0.9, 0.999], eps 1e-8, weight_decay 0), or name one: {"type": "AdamW", "params": {"lr": ...}}'
+)
+
 
 @dataclass(frozen=True)
 class InfinityConfig:
     """A whole run's configuration; batch sizes are resolved by `resolve_batch_sizes`."""
 
-    train_batch_size: int | None = option(None, min_value=1, allow_auto=True)
-    train_micro_batch_size_per_gpu: int | None = option(None, min_value=1, allow_auto=True)
-    gradient_accumulation_steps: int | None = option(None, min_value=1, allow_auto=True)
-    optimizer: OptimizerConfig | None = option(None)
+    train_batch_size: int | None = option(None, min_value=1, max_value=MAX_BATCH, allow_auto=True)
+    train_micro_batch_size_per_gpu: int | None = option(None, min_value=1, max_value=MAX_BATCH, allow_auto=True)
+    gradient_accumulation_steps: int | None = option(None, min_value=1, max_value=MAX_BATCH, allow_auto=True)
+    optimizer: OptimizerConfig | None = option(
+        None, null_error=_NULL_OPTIMIZER, doc="absent: AdamW with DeepSpeed's Adam defaults (lr 1e-3, no weight decay)"
+    )
     scheduler: SchedulerConfig | None = option(None)
     fp16: FP16Config = option(default_factory=FP16Config)
     bf16: BF16Config = option(default_factory=BF16Config, aliases=("bfloat16",))
@@ -73,12 +82,20 @@ def _read(source: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
     if isinstance(source, dict):
         return source
     path = Path(source)
-    if not path.is_file():
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.json"))
+        inside = f" (it holds {', '.join(found[:5])}{', ...' if len(found) > 5 else ''})" if found else ""
+        raise ConfigError(f"config file '{path}' is a directory{inside}; give the path of the JSON file")
+    if not path.exists():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config file '{path}' is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not text (UTF-8 JSON): {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror or exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a JSON object at the top level")
     return data

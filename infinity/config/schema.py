@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any
@@ -19,6 +20,8 @@ from infinity.config.sizes import parse_bytes
 __all__ = ["AUTO", "ConfigError", "option", "parse_section", "to_dict"]
 
 AUTO = "auto"
+INT64_MAX = 2**63 - 1  # torch's index type: a larger integer cannot reach a tensor
+EXACT_FLOAT_INT_MAX = 2**53  # above this a JSON number like 1e30 is no exact integer
 
 
 def option(
@@ -32,11 +35,13 @@ def option(
     allow_bytes: bool = False,
     default_factory: Any = dataclasses.MISSING,
     doc: str = "",
+    null_error: str | None = None,
 ) -> Any:
     """A dataclass field with the JSON rules `parse_section` enforces.
 
     `allow_bytes`: an element count that may be written as a size in bytes ("64MB"); the string is kept
     until `resolve_auto` converts it with the compute dtype (see `infinity.config.sizes`).
+    `null_error`: JSON null is refused with this advice (where null would silently mean the default).
     """
     meta = {
         "aliases": aliases,
@@ -46,6 +51,7 @@ def option(
         "auto": allow_auto,
         "bytes": allow_bytes,
         "doc": doc,
+        "null_error": null_error,
     }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -96,14 +102,20 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"'{path}' must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)  # DeepSpeed configs write sizes as 5e8
-        raise ConfigError(f"'{path}' must be an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer() and abs(value) <= EXACT_FLOAT_INT_MAX:
+            value = int(value)  # DeepSpeed configs write sizes as 5e8
+        elif isinstance(value, float) and value.is_integer():
+            raise ConfigError(f"'{path}' is {value!r}; it must be an integer below 2**63 (torch's int64)")
+        if not isinstance(value, int):
+            raise ConfigError(f"'{path}' must be an integer, got {value!r}")
+        if not -INT64_MAX <= value <= INT64_MAX:
+            raise ConfigError(f"'{path}' is {value!r}; it must be an integer below 2**63 (torch's int64)")
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"'{path}' must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"'{path}' is {value!r}; it must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -132,6 +144,8 @@ def parse_section(cls: type, data: dict[str, Any], path: str = "") -> Any:
         if f.name in values:
             raise ConfigError(f"'{full}' is given twice (also under another of its names)")
         meta = f.metadata
+        if value is None and meta.get("null_error"):
+            raise ConfigError(f"'{full}' is null: {meta['null_error']}")
         if value == AUTO:
             if not meta.get("auto"):
                 raise ConfigError(f"'{full}' does not accept \"auto\"")

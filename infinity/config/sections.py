@@ -104,6 +104,12 @@ class ZeroConfig:
     elastic_checkpoint: bool = option(False)
     ignore_unused_parameters: bool = option(True)
     comm_timeout_s: float = option(600.0, min_value=1.0, doc="a collective waiting longer aborts the run")
+    heartbeat_timeout_s: float = option(
+        60.0,
+        min_value=0.0,
+        doc="a peer rank whose heartbeat stops this long (stopped, hung, host unreachable) ends the run with a "
+        "message naming it, long before comm_timeout_s; 0: no heartbeat",
+    )
     host_budget_bytes: int | None = option(
         None,
         min_value=0,

@@ -15,6 +15,9 @@ Loading reads every rank's shard as a range of each FlatParam's full (concatenat
 tensor piece at a time (`CheckpointFiles`). The same path reshards a checkpoint written by another
 world size, when `zero_optimization.elastic_checkpoint` is true; otherwise that is refused.
 
+The folder itself (staging, publication, manifests, verification, finding the newest good
+checkpoint) is `infinity.engine.checkpoint_folder`'s.
+
 Test hook: with `INFINITY_TEST_PAUSE_IN_SAVE=<seconds>` in the environment, every save sleeps that
 long between writing the model-states file and the optim-states file, so a test can kill the
 process in the middle of a save.
@@ -22,11 +25,9 @@ process in the middle of a save.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,20 +37,51 @@ import numpy as np
 import torch
 from torch import nn
 
+from infinity.engine.checkpoint_folder import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    begin_staging,
+    list_checkpoints,
+    model_file,
+    newest_verified_checkpoint,
+    optim_file,
+    publish,
+    read_manifest,
+    resolve_folder,
+    verify_checkpoint,
+    verify_rank,
+    write_file,
+    write_text,
+)
 from infinity.engine.checkpoint_format import (
     FormatError,
     LazyTensor,
-    Produce,
     TensorSpec,
     TorchFileReader,
-    write_torch_object,
 )
 from infinity.shards.moments import moment_format
 from infinity.shards.store import ShardKind, ShardStore
 
+__all__ = [  # the folder-level names are re-exported: callers import them from here
+    "LATEST",
+    "MANIFEST",
+    "OPTIM_STATES",
+    "CheckpointError",
+    "CheckpointFiles",
+    "list_checkpoints",
+    "load_checkpoint",
+    "model_file",
+    "newest_verified_checkpoint",
+    "optim_file",
+    "read_manifest",
+    "resolve_folder",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "verify_rank",
+]
+
 FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
-MANIFEST = "manifest_rank{rank}.json"
-LATEST = "latest"
 PAUSE_ENV = "INFINITY_TEST_PAUSE_IN_SAVE"
 # The optimizer state of a shard in fp32 moments; other moment formats store their own tensors in place of
 # the moments (`shards.moments`: bf16 codes; 8-bit codes and per-block scales), named in "moments".
@@ -65,52 +97,6 @@ class RunState:
     loss_scaler: dict[str, Any]
     lr_scheduler: dict[str, Any] | None
     param_groups: list[dict[str, Any]]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged or was written by an incompatible run."""
-
-
-def model_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-
-
-def optim_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, obj: Any, produce: Produce) -> dict[str, Any]:
-    """Write `obj` (TensorSpecs in it filled by `produce`, one at a time), fsync it; its size and SHA-256."""
-    write_torch_object(path, obj, produce)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _write_text(path: Path, text: str) -> None:
-    with path.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _rng_state() -> dict[str, Any]:
@@ -179,9 +165,7 @@ def save_checkpoint(
     final = root / tag
     staging = root / f".{tag}.tmp"
     if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        begin_staging(root, staging)
     comm.barrier("checkpoint staging folder")
     # Shards are specs, read from their tier (NVMe included) one at a time while the file is written,
     # so a save holds one shard's state in host memory, not the rank's.
@@ -201,7 +185,7 @@ def save_checkpoint(
         "client_state": client_state,
     }
     files = {
-        model_file(comm.rank): _write(
+        model_file(comm.rank): write_file(
             staging / model_file(comm.rank),
             model_states,
             lambda spec: shards.read(flats[spec.name], ShardKind.PARAM),
@@ -233,82 +217,21 @@ def save_checkpoint(
             current.update(name=name, moments=shards.read_moments(flats[name]))
         return current["moments"][kind]
 
-    files[optim_file(comm.rank)] = _write(staging / optim_file(comm.rank), optim_states, optim_state)
+    files[optim_file(comm.rank)] = write_file(staging / optim_file(comm.rank), optim_states, optim_state)
     current.clear()
-    manifest = {"format_version": FORMAT_VERSION, "world_size": comm.world_size, "rank": comm.rank, "files": files}
-    _write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "world_size": comm.world_size,
+        "rank": comm.rank,
+        "global_steps": run.global_steps,
+        "files": files,
+    }
+    write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
     comm.barrier("checkpoint files written")
     if comm.rank == 0:
-        _publish(root, staging, final, tag, save_latest)
+        publish(root, staging, final, tag, save_latest)
     comm.barrier("checkpoint published")
     return final
-
-
-def _publish(root: Path, staging: Path, final: Path, tag: str, save_latest: bool = True) -> None:
-    """Rename the finished staging folder to `final` and point `latest` at it, each step atomic."""
-    _fsync_dir(staging)
-    old = root / f".{tag}.old"
-    if final.exists():  # re-saving a tag: keep the old folder where loading finds it until the new one is in place
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(staging, final)
-    if save_latest:
-        latest_tmp = root / f".{LATEST}.tmp"
-        _write_text(latest_tmp, tag)
-        os.replace(latest_tmp, root / LATEST)
-    _fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def resolve_folder(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
-    """The checkpoint folder for `load_dir` and `tag`: `load_dir/tag`, the tag `load_dir/latest` names, or
-    `load_dir` itself when it is a checkpoint folder."""
-    root = Path(load_dir)
-    if tag is None:
-        latest = root / LATEST
-        if latest.is_file():
-            tag = latest.read_text().strip()
-        elif (root / MANIFEST.format(rank=0)).is_file():
-            return root
-        else:
-            raise CheckpointError(f"'{root}' has no '{LATEST}' file; pass tag= to name the checkpoint to load")
-    folder = root / tag
-    if not folder.is_dir() and (root / f".{tag}.old").is_dir():
-        folder = root / f".{tag}.old"  # a re-save of this tag was interrupted between its two renames
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint '{root / tag}' does not exist")
-    return folder
-
-
-def read_manifest(folder: Path, rank: int) -> dict[str, Any]:
-    path = folder / MANIFEST.format(rank=rank)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint '{folder}' has no {path.name}: it is incomplete or not a checkpoint")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checkpoint manifest '{path}' is corrupted: {exc}") from exc
-
-
-def verify_rank(folder: Path, rank: int, world_size: int) -> None:
-    """Check rank `rank`'s files against its manifest: present, full size, same SHA-256."""
-    manifest = read_manifest(folder, rank)
-    if manifest["world_size"] != world_size:
-        raise CheckpointError(
-            f"checkpoint '{folder}': {MANIFEST.format(rank=rank)} says {manifest['world_size']} ranks, "
-            f"rank 0's says {world_size}; the folder mixes two checkpoints"
-        )
-    for name, expect in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file '{path}' is missing")
-        size = path.stat().st_size
-        if size != expect["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file '{path}' is truncated: {size} bytes, the manifest says {expect['bytes']}"
-            )
-        if _sha256(path) != expect["sha256"]:
-            raise CheckpointError(f"checkpoint file '{path}' is corrupted: its SHA-256 differs from the manifest's")
 
 
 class CheckpointFiles:
@@ -322,7 +245,7 @@ class CheckpointFiles:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.world_size = int(read_manifest(folder, 0)["world_size"])
+        self.world_size = read_manifest(folder, 0)["world_size"]
         self._readers: dict[tuple[str, int], TorchFileReader] = {}
 
     def reader(self, kind: str, rank: int) -> TorchFileReader:

@@ -8,8 +8,10 @@ so memory stays near the largest tensor. Tied weights appear under every name th
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,17 @@ def choose_format(out: str | os.PathLike, fmt: str | None = None) -> str:
     return "safetensors" if importlib.util.find_spec("safetensors") is not None else "torch"
 
 
+def _output_error(out: Path, exc: OSError) -> OSError:
+    """`exc` (a write of the output failed) restated naming `out`, with the free space on a full disk."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        folder = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
+        reason += f" ({shutil.disk_usage(folder).free} bytes free there); free space or write elsewhere"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        reason += "; choose a folder you can write"
+    return OSError(exc.errno, f"cannot write '{out}': {reason}", str(out))
+
+
 def consolidate(
     ckpt_dir: str | os.PathLike, out: str | os.PathLike, tag: str | None = None, fmt: str | None = None
 ) -> ConsolidateResult:
@@ -101,13 +114,19 @@ def consolidate(
             return values.to(torch.float32).view(spec.shape)
 
         out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(f".{out.name}.partial")
-        if fmt == "torch":
-            write_torch_file(partial, specs, produce)
-        else:
-            metadata = {"format": "pt", "source": str(folder)}
-            write_safetensors_file(partial, order_aliases_after_sources(specs), produce, metadata)
-        os.replace(partial, out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if fmt == "torch":
+                write_torch_file(partial, specs, produce)
+            else:
+                metadata = {"format": "pt", "source": str(folder)}
+                write_safetensors_file(partial, order_aliases_after_sources(specs), produce, metadata)
+            os.replace(partial, out)
+        except OSError as exc:
+            raise _output_error(out, exc) from exc
+        finally:
+            if partial.exists():  # a failed or interrupted write leaves nothing behind
+                partial.unlink()
     params = sum(torch.Size(s.shape).numel() for s in specs if s.name in where and s.alias_of is None)
     return ConsolidateResult(out, fmt, len(specs), params, out.stat().st_size)

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from infinity.comm import CommGroup, init_distributed
+from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, share_updated_partitions
 from infinity.engine.host_memory import limit_freed_memory
-from infinity.engine.memory_plan import MemoryPlan, nvme_slot_bytes, plan_memory
+from infinity.engine.memory_plan import MemoryPlan, check_host_budget, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.sharding import shard_model
 from infinity.optim.loss_scaler import LossScaler
@@ -116,6 +117,9 @@ class InfinityEngine:
         device = compute_device()
         rank, world = init_distributed(device, cfg.zero_optimization.comm_timeout_s)
         self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
+        # a stopped peer ends the run after heartbeat_timeout_s, not comm_timeout_s (unless the caller,
+        # such as `infinity train`, watches the peers already)
+        self._heartbeat = start_heartbeat(rank, world, cfg.zero_optimization.heartbeat_timeout_s, end_on_silence)
         self.config = cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
@@ -129,7 +133,9 @@ class InfinityEngine:
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
         memory = plan_memory(z, plan, self.placement)
-        self.nvme_bytes_planned = nvme_slot_bytes(plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps)
+        homes = home_bytes(plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps)
+        check_host_budget(z, homes)
+        self.nvme_bytes_planned = homes[Tier.NVME]
         self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
         self.moves = MoveCounter(forward=self.prof)  # the bytes that moved between tiers, for bytes_moved
         self.tiers = _open_tiers(cfg, memory, self.nvme_bytes_planned, rank, device, self.moves)
@@ -292,6 +298,9 @@ class InfinityEngine:
         self.scheduler.remove_hooks()
         self.shards.close()
         self.prof.close()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     destroy = close  # DeepSpeed's name
 

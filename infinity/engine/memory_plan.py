@@ -93,14 +93,18 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def nvme_slot_bytes(plan: BlockPlan, group_of: dict[int, int], placement: Placement, grad_accumulation: int) -> int:
-    """The bytes this rank's shards take on NVMe (each slot padded to 4 KiB), as `shard_model` will lay
-    them out (one flat per block and param group): what the swap file is sized to and the disk must hold."""
+def home_bytes(
+    plan: BlockPlan, group_of: dict[int, int], placement: Placement, grad_accumulation: int
+) -> dict[Tier, int]:
+    """Per tier, the bytes this rank's shards take in their homes, as `shard_model` lays them out (one flat
+    per block and param group; host and NVMe slots padded to 4 KiB as the buffer pool and the swap file
+    pad them): what the swap file is sized to, and what an explicit host budget must hold."""
     world, p = placement.world_size, placement
     moments = moment_format(p.moments)
-    # a gradient slot exists only where gradients must wait on disk for the step
-    grad_slot = p.optim_home is Tier.NVME and (not p.step_in_backward or grad_accumulation > 1)
-    total = 0
+    pad = {Tier.DEVICE: lambda n: n, Tier.HOST: _round_up, Tier.NVME: _round_up}
+    # on NVMe a gradient slot exists only where gradients must wait there for the step
+    nvme_grads = not p.step_in_backward or grad_accumulation > 1
+    total = dict.fromkeys(Tier, 0)
     for uses in (*(b[2] for b in plan.blocks), plan.root, plan.persistent):
         sizes: dict[int | None, int] = {}
         for _, param, _ in uses:
@@ -108,11 +112,25 @@ def nvme_slot_bytes(plan: BlockPlan, group_of: dict[int, int], placement: Placem
             sizes[group] = sizes.get(group, 0) + param.numel()
         for group, numel in sizes.items():
             shard = FlatParam.shard_elems(numel, world)
-            if p.param_home is Tier.NVME:
-                total += _round_up(shard * p.compute_dtype.itemsize)
-            if group is None or p.optim_home is not Tier.NVME:
+            param_elems = shard * world if p.params_resident else shard  # resident: the whole (padded) flat
+            total[p.param_home] += pad[p.param_home](param_elems * p.compute_dtype.itemsize)
+            if group is None:
                 continue
+            home, round_up = p.optim_home, pad[p.optim_home]
             if not p.master_is_param:
-                total += _round_up(4 * shard)
-            total += _round_up(moments.state_bytes(shard)) + (_round_up(4 * shard) if grad_slot else 0)
+                total[home] += round_up(4 * shard)
+            total[home] += round_up(moments.state_bytes(shard))
+            if home is not Tier.NVME or nvme_grads:
+                total[home] += round_up(4 * shard)
     return total
+
+
+def check_host_budget(z: ZeroConfig, homes: dict[Tier, int]) -> None:
+    """An explicit host budget must at least hold the shards that live in host memory."""
+    budget = z.host_budget_bytes
+    if budget is not None and homes[Tier.HOST] > budget:
+        raise ConfigError(
+            f"'zero_optimization.host_budget_bytes' is {budget}; the shards that live in host memory "
+            f"(offload_param / offload_optimizer 'cpu') need {homes[Tier.HOST]} bytes: raise the budget to at "
+            "least that, or offload them to 'nvme'"
+        )

@@ -1,0 +1,60 @@
+"""`infinity train --resume`: which checkpoint to continue from, decided alike on every rank.
+
+`latest` (or `--resume-tag TAG`) names the checkpoint. If it is missing, empty or damaged on any rank,
+the newest checkpoint whose files all verify is offered by name in the one-line error, or taken with
+`--resume-fallback`; a staging folder of an unfinished save never is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infinity.engine.checkpoint import CheckpointError, newest_verified_checkpoint, resolve_folder
+
+
+def _failed_on_any_rank(engine, failed: bool) -> bool:
+    flag = torch.tensor([1.0 if failed else 0.0])
+    engine.comm.all_reduce(flag, "whether every rank could load the checkpoint", op="max")
+    return bool(flag.item())
+
+
+def _load(engine, folder: Path) -> dict[str, Any]:
+    _, client = engine.load_checkpoint(str(folder.parent), tag=folder.name)
+    return client
+
+
+def resume(engine, save_dir: str, tag: str | None, fallback: bool, say: Callable[[str], None]) -> tuple[str, dict]:
+    """Load the checkpoint to resume from into `engine`: `tag`'s, or `latest`'s; (its name, its client state).
+
+    CheckpointError, naming the problem and the newest complete checkpoint (if any), when that one cannot
+    be loaded on some rank and `fallback` is false; with `fallback`, the newest complete one is loaded.
+    """
+    folder: Path | None = None
+    problem: CheckpointError | None = None
+    client: dict[str, Any] = {}
+    try:
+        folder = resolve_folder(save_dir, tag, tag_hint="")  # what to do follows below
+        client = _load(engine, folder)  # verifies this rank's files before touching any state
+    except CheckpointError as exc:
+        problem = exc
+    if not _failed_on_any_rank(engine, problem is not None):
+        return tag or folder.name, client
+    reason = str(problem) if problem is not None else f"another rank could not load '{folder}' (its line says why)"
+    found = newest_verified_checkpoint(save_dir, exclude=[folder] if folder is not None else [])
+    if found is None:
+        raise CheckpointError(
+            f"cannot resume from '{save_dir}': {reason}; no {'other ' if folder else ''}checkpoint there is complete: "
+            "train without --resume to start over"
+        )
+    newest, newest_folder = found
+    if not fallback:
+        raise CheckpointError(
+            f"cannot resume from '{save_dir}': {reason}; the newest complete checkpoint there is '{newest}': "
+            f"resume from it with --resume-tag {newest} (or add --resume-fallback)"
+        )
+    say(f"cannot resume from the checkpoint named: {reason}; resuming from the newest complete one, '{newest}'")
+    return newest, _load(engine, newest_folder)
