@@ -105,6 +105,7 @@ def train_infinity(kind: str, config: dict, steps: int, micro_bs: int, seed: int
         losses.append(step_loss)
     result = {"losses": losses, "state": engine.full_state_dict(), "skipped": engine.skipped_steps}
     result["stepped_in_backward"] = getattr(engine.optimizer, "stepped_in_backward", 0)
+    result["stepped_when_needed"] = getattr(engine.optimizer, "stepped_when_needed", 0)
     engine.close()
     return result
 

@@ -227,6 +227,7 @@ class InfinityEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""
         scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
+        self.shards.settle_all()  # a step still owed (a shard the forward did not gather) before new gradients
         self.scheduler.begin_backward()
         self.prof.set_phase("backward")
         self._record_live_bytes()
@@ -268,7 +269,7 @@ class InfinityEngine:
                 self.global_steps += 1
                 return
             coef = ShardedAdam.clip_coefficient(norm, clip)
-        self.optimizer.step(grad_scale=coef / scale)
+        self.optimizer.step(grad_scale=coef / scale, order=self._forward_order())
         self.optimizer.zero_grad()
         share_updated_partitions(self.shards, self.prof)
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
@@ -276,6 +277,13 @@ class InfinityEngine:
             self.lr_scheduler.step()
             self._sync_hyperparameters(into_client=not self._client_is_truth)
         self.global_steps += 1
+
+    def _forward_order(self) -> list:
+        """The flats in the order the next forward gathers them: persistent and root first, then the blocks
+        as the last forward ran them (module order for those it did not run)."""
+        seen = dict.fromkeys(self.scheduler.forward_trace.order)
+        seen.update(dict.fromkeys(range(len(self.blocks))))
+        return [*self.persistent.flats, *self.root.flats, *(f for i in seen for f in self.blocks[i].flats)]
 
     @property
     def bytes_moved(self) -> dict[str, int]:

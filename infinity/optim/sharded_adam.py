@@ -15,7 +15,7 @@ import torch
 
 from infinity.optim.steppers import NativeStepper, Stepper, TorchFusedStepper
 from infinity.partition.flat_param import FlatParam
-from infinity.shards.policy import StepperKind
+from infinity.shards.policy import StepperKind, StepTiming
 from infinity.shards.store import ShardStore
 from infinity.storage import aligned_empty
 
@@ -78,6 +78,11 @@ class ShardedAdam(torch.optim.Optimizer):
     def stepped_in_backward(self) -> int:
         return self.stepper.stepped_in_backward
 
+    @property
+    def stepped_when_needed(self) -> int:
+        """Shards whose step was deferred and ran when they were next needed (0 for the torch stepper)."""
+        return getattr(self.stepper, "stepped_when_needed", 0)
+
     def refuse_mid_step(self, what: str) -> None:
         """Raise if the optimizer is part way through a step; `what` names the refused operation."""
         if self.step_in_progress:
@@ -96,12 +101,21 @@ class ShardedAdam(torch.optim.Optimizer):
         return self.param_groups[group_index]
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0) -> None:
-        """One Adam step on every shard with a gradient, gradients multiplied by `grad_scale` first."""
+    def step(self, closure=None, grad_scale: float = 1.0, order: list[FlatParam] | None = None) -> None:
+        """One Adam step on every shard with a gradient, gradients multiplied by `grad_scale` first.
+
+        Where the placement defers steps until the next gather, each shard is owed its step (with the
+        hyper-parameters as they are now) and stepped when next needed; `order` is the order the next
+        forward needs them in (default: the store's)."""
         if closure is not None:
             raise ValueError("ShardedAdam.step does not take a closure")
         flats = [f for f, record in self.shards.records.items() if record.has_grad]
-        self.stepper.step(flats, grad_scale)
+        if self.shards.placement.step_timing is StepTiming.BEFORE_NEXT_GATHER:
+            rank = {f: i for i, f in enumerate(order or flats)}
+            flats.sort(key=lambda f: rank.get(f, len(rank)))
+            self.stepper.defer(flats, grad_scale, [dict(g) for g in self.param_groups])
+        else:
+            self.stepper.step(flats, grad_scale)
 
     @staticmethod
     def clip_coefficient(norm: float, max_norm: float) -> float:

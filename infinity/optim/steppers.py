@@ -36,6 +36,10 @@ class Stepper(Protocol):
     def step(self, flats: list[FlatParam], grad_scale: float) -> None:
         """Step every shard of `flats` not stepped on arrival, gradients multiplied by `grad_scale`."""
 
+    def defer(self, flats: list[FlatParam], grad_scale: float, hyper: list[dict[str, Any]]) -> None:
+        """Step `flats` later, each when its bytes are next needed, with these gradient scale and
+        hyper-parameters (per param group); `flats` in the order they will be needed."""
+
     def drain(self) -> None:
         """Finish every write in flight."""
 
@@ -56,6 +60,9 @@ class TorchFusedStepper:
         return False
 
     def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:  # pragma: no cover - the placement never asks
+        raise RuntimeError("the torch stepper steps after backward only")
+
+    def defer(self, flats, grad_scale, hyper) -> None:  # pragma: no cover - the placement never asks
         raise RuntimeError("the torch stepper steps after backward only")
 
     def _lend_all(self) -> None:
@@ -107,9 +114,12 @@ class NativeStepper:
         self.adamw_mode = adamw_mode
         self.window = max(1, window)
         self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
+        self.stepped_when_needed = 0  # shards whose deferred step ran when they were next needed (a counter)
         self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
         self._returning: deque[Returned] = deque()  # stepped shards whose writes are in flight
         self._stepped: set[FlatParam] = set()  # stepped this step
+        self._deferred: deque[FlatParam] = deque()  # owed a step, in the order they will be needed
+        self._deferred_args: tuple[float, list[dict[str, Any]]] = (1.0, [])
 
     @staticmethod
     def shard_state_bytes(shard_elems: int, moments: str = "fp32") -> int:
@@ -149,13 +159,51 @@ class NativeStepper:
         self.drain()
         self._stepped.clear()
 
-    def _step_one(self, flat: FlatParam, grad: torch.Tensor | None, grad_scale: float) -> None:
+    def defer(self, flats: list[FlatParam], grad_scale: float, hyper: list[dict[str, Any]]) -> None:
+        """Owe each shard its step: the store settles it when the shard is next needed (the next forward's
+        gather, or anyone reading it), stepping the queue in order up to it with the state of the next
+        shards read ahead meanwhile, so the I/O overlaps that forward."""
+        self.settle_all()  # a step owed since the last one (nothing needed those shards) comes first
+        self.shards.finish_grad_writes()
+        self._deferred = deque(flats)
+        self._deferred_args = (grad_scale, hyper)
+        for flat in flats:
+            self.shards.owe(flat, self._settle_through)
+        self._read_ahead_deferred()
+
+    def _settle_through(self, flat: FlatParam) -> None:
+        grad_scale, hyper = self._deferred_args
+        while self._deferred:
+            head = self._deferred.popleft()
+            self.shards.discharge(head)
+            self._step_one(head, None, grad_scale, hyper)
+            self.stepped_when_needed += 1
+            if head is flat:
+                break
+        if self._deferred:
+            self._read_ahead_deferred()
+        else:
+            self.drain()
+            self._stepped.clear()
+
+    def _read_ahead_deferred(self) -> None:
+        room = max(1, self.window - len(self._returning))
+        self.shards.prefetch_state(list(self._deferred)[:room], with_grad=True)
+
+    def settle_all(self) -> None:
+        if self._deferred:
+            self.shards.settle(self._deferred[-1])
+
+    def _step_one(
+        self, flat: FlatParam, grad: torch.Tensor | None, grad_scale: float, hyper: list[dict[str, Any]] | None = None
+    ) -> None:
         lent = self.shards.lend(flat, with_grad=grad is None)
         try:
             record = self.shards.records[flat]
             record.step += 1
             self._stepped.add(flat)
-            written = self._adam(lent, lent.grad if grad is None else grad, record.step, grad_scale)
+            group = hyper[flat.group_index] if hyper is not None else self.hyper(flat.group_index)
+            written = self._adam(lent, lent.grad if grad is None else grad, record.step, grad_scale, group)
         except BaseException:
             Returned(self.shards, lent, []).finish()
             raise
@@ -164,9 +212,8 @@ class NativeStepper:
         while len(self._returning) >= max(1, self.window - len(self._arrived)):
             self._returning.popleft().finish()
 
-    def _adam(self, lent: LentShard, grad: torch.Tensor, step: int, grad_scale: float) -> bool:
+    def _adam(self, lent: LentShard, grad: torch.Tensor, step: int, grad_scale: float, group: dict[str, Any]) -> bool:
         """One native pass; returns whether it also wrote the new compute-dtype weights into `param_out`."""
-        group = self.hyper(lent.flat.group_index)
         out = lent.param_out
         fused = out is not None and out.dtype in (torch.bfloat16, torch.float16) and out.device.type == "cpu"
         adam_step_flat(

@@ -10,6 +10,7 @@ from infinity.shards.policy import (
     MallocTuning,
     Placement,
     StepperKind,
+    StepTiming,
     offload_tier,
     resolve_placement,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "ShardKind",
     "ShardRecord",
     "ShardStore",
+    "StepTiming",
     "StepperKind",
     "offload_tier",
     "resolve_placement",

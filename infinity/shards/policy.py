@@ -37,6 +37,16 @@ class GradReduction(enum.Enum):
     ALL_REDUCE = "all-reduce"  # stage 1: the whole mean on every rank, this rank's slice kept
 
 
+class StepTiming(enum.Enum):
+    """When a shard's optimizer step runs (the native stepper's shards; the torch stepper's run after backward)."""
+
+    AFTER_BACKWARD = "after-backward"  # all shards, once backward and the global norm are done
+    DURING_BACKWARD = "during-backward"  # each shard as its final gradient arrives (nothing global to wait for)
+    BEFORE_NEXT_GATHER = "before-next-gather"  # each shard just before the next forward gathers it, its I/O
+    # overlapping that forward: the step needs the global norm (clipping, fp16) or hyper-parameters set
+    # at step time (a client optimizer), so it cannot run during backward
+
+
 class MallocTuning(enum.Enum):
     """How much freed memory glibc's malloc may keep (see `engine.host_memory`)."""
 
@@ -60,10 +70,14 @@ class Placement:
     params_resident: bool  # the full flat lives permanently where compute reads it; parameters are views of it
     master_is_param: bool  # fp32 compute with master and parameter shard on one tier: one slot serves both
     stepper: StepperKind
-    step_in_backward: bool  # a shard is stepped as its final gradient arrives, while backward goes on
+    step_timing: StepTiming
     needs_grad_norm: bool  # gradient clipping or fp16's overflow check needs the global norm before a step
     malloc: MallocTuning
     moments: str = "fp32"  # the format Adam's moments are stored in (`shards.moments`)
+
+    @property
+    def step_in_backward(self) -> bool:
+        return self.step_timing is StepTiming.DURING_BACKWARD
 
     @property
     def compute_in_host_memory(self) -> bool:
@@ -118,9 +132,17 @@ def resolve_placement(
     stepper = StepperKind.TORCH if optim_home is Tier.DEVICE else StepperKind.NATIVE
     fp16 = cfg.fp16.enabled is True
     needs_norm = cfg.gradient_clipping > 0 or fp16
-    # Nothing global to wait for (a clipping norm, an overflow check, a client optimizer's hyper-parameters
-    # set at step time): the NVMe optimizer steps each shard while backward goes on.
-    step_in_backward = optim_home is Tier.NVME and not needs_norm and not client_optimizer
+    step_timing = StepTiming.AFTER_BACKWARD
+    # The native stepper moves state over a link slower than the compute (NVMe; host memory under a GPU):
+    # its shards are stepped where that traffic overlaps compute. With nothing global to wait for (a
+    # clipping norm, an overflow check, a client optimizer's hyper-parameters set at step time), during
+    # backward; otherwise just before the next forward gathers each shard (not with resident parameters:
+    # they are never gathered).
+    overlap = stepper is StepperKind.NATIVE and (optim_home is Tier.NVME or compute_device.type == "cuda")
+    if overlap and not needs_norm and not client_optimizer:
+        step_timing = StepTiming.DURING_BACKWARD
+    elif overlap and not resident:
+        step_timing = StepTiming.BEFORE_NEXT_GATHER
     malloc = MallocTuning.NONE
     if compute_device.type == "cpu" and Tier.NVME in (param_home, optim_home):
         malloc = MallocTuning.RETURN_TO_OS if z.host_budget_bytes is not None else MallocTuning.CAP_ARENAS
@@ -137,7 +159,7 @@ def resolve_placement(
         params_resident=resident,
         master_is_param=master_is_param,
         stepper=stepper,
-        step_in_backward=step_in_backward,
+        step_timing=step_timing,
         needs_grad_norm=needs_norm,
         malloc=malloc,
         moments=z.offload_optimizer.moments,

@@ -11,13 +11,17 @@ Everyone else reaches those bytes through a few verbs: `read` a shard (host copy
 weights (and optionally moments), `gather_full` a flat, `fetch_param` for a gather, `lend` the
 buffers for one in-place optimizer step and `give_back` them. Gradients enter through
 `accumulate_grad` (or `final_grad` when the step runs as they arrive).
+
+An update may be owed to a shard (`owe`: its step was deferred until the shard is next needed); every
+verb that reads or replaces a shard's bytes settles what is owed to it first, so nobody ever sees the
+bytes before the step they are waiting for.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +116,7 @@ class ShardStore:
         self.records: dict[FlatParam, ShardRecord] = {}  # the trainable ones
         self._views: dict[Hashable, torch.Tensor] = {}  # home copies in memory, by key
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
+        self._owed: dict[FlatParam, Callable[[FlatParam], None]] = {}  # updates not yet applied
         self.grad_bytes_to_host = 0  # gradient bytes copied from device memory into the host accumulators
         self.param_bytes_fetched = 0  # parameter shard bytes gathers asked to move from their home tier
 
@@ -127,6 +132,28 @@ class ShardStore:
     def grad_accumulation_bytes(shard_elems: int) -> int:
         """Host memory for adding a micro-batch's gradient into an accumulator on NVMe (one shard, fp32)."""
         return 4 * shard_elems
+
+    # -- updates owed ------------------------------------------------------------------------------
+
+    def owe(self, flat: FlatParam, settle: Callable[[FlatParam], None]) -> None:
+        """An update of `flat`'s shard is deferred: `settle(flat)` applies it, before anyone uses the bytes."""
+        self._owed[flat] = settle
+
+    def owes(self, flat: FlatParam) -> bool:
+        return flat in self._owed
+
+    def discharge(self, flat: FlatParam) -> None:
+        """The update owed to `flat` is being applied by its owner (who must not be called back for it)."""
+        self._owed.pop(flat, None)
+
+    def settle(self, flat: FlatParam) -> None:
+        settle = self._owed.pop(flat, None)
+        if settle is not None:
+            settle(flat)
+
+    def settle_all(self) -> None:
+        while self._owed:
+            self.settle(next(iter(self._owed)))
 
     # -- keys and views ---------------------------------------------------------------------------
 
@@ -190,6 +217,7 @@ class ShardStore:
     def read(self, flat: FlatParam, kind: ShardKind) -> torch.Tensor:
         """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 for MASTER and GRAD,
         the packed bytes for MOMENTS: see `read_moments`)."""
+        self.settle(flat)
         view = self.shard_view(flat, kind)
         if view is not None:
             return view.detach().to("cpu", copy=True)
@@ -230,6 +258,7 @@ class ShardStore:
         tensors by name) in any format, and step count): the master takes them, the parameter shard their
         compute-dtype cast. A resident flat's other ranks' ranges and a gathered copy are the caller's to
         refresh (`sync_resident`, `reshard`)."""
+        self.settle(flat)  # a deferred step must not overwrite the new values later
         master32 = master32.detach().to("cpu", torch.float32).reshape(-1)
         if flat.requires_grad and not self.placement.master_is_param:
             self._write(flat, ShardKind.MASTER, master32)
@@ -257,6 +286,7 @@ class ShardStore:
 
     def assign_param(self, flat: FlatParam, shard: torch.Tensor) -> None:
         """New compute-dtype weights for a frozen flat's shard."""
+        self.settle(flat)
         self._write(flat, ShardKind.PARAM, shard.detach().to("cpu", self.placement.compute_dtype).reshape(-1))
 
     def sync_resident(self, flat: FlatParam) -> None:
@@ -278,6 +308,7 @@ class ShardStore:
 
     def fetch_param(self, flat: FlatParam) -> FetchHandle:
         """Start bringing this rank's parameter shard where gathers read it; `release_param` when gathered."""
+        self.settle(flat)
         if self.placement.param_home is not self.placement.gather_from:
             self.param_bytes_fetched += flat.shard_numel * self.placement.compute_dtype.itemsize
         return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from)
@@ -298,6 +329,8 @@ class ShardStore:
             return
         keys, total = [], 0
         for flat in flats:
+            if flat in self._owed:  # its bytes change before the gather: read them once they have
+                break
             total += flat.shard_numel * self.placement.compute_dtype.itemsize
             if self.read_ahead_bytes is not None and total > self.read_ahead_bytes:
                 break
@@ -308,11 +341,12 @@ class ShardStore:
 
     def grad_accumulator(self, flat: FlatParam) -> torch.Tensor | None:
         """The gradient accumulator where it lives in memory (written into directly), else None."""
+        self.settle(flat)  # a deferred step still reads the last step's gradient from it
         return self.shard_view(flat, ShardKind.GRAD)
 
     def grad_written(self, flat: FlatParam, final: bool) -> None:
         """The caller wrote (or added) this micro-batch's gradient into `grad_accumulator(flat)` itself."""
-        record = self.records[flat]
+        record = self.records[flat]  # (grad_accumulator settled what was owed: it is read first)
         record.has_grad = True
         if final and self.placement.needs_grad_norm:
             record.grad_norm_sq = _norm_sq(self.grad_accumulator(flat))
@@ -320,6 +354,7 @@ class ShardStore:
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
         """Add one micro-batch's gradient shard (fp32, any device) into the accumulator; `final` marks the
         last micro-batch before a step."""
+        self.settle(flat)
         record = self.records[flat]
         view = self.grad_accumulator(flat)
         if view is not None:
@@ -357,6 +392,7 @@ class ShardStore:
     def final_grad(self, flat: FlatParam, grad: torch.Tensor) -> torch.Tensor:
         """The step's whole gradient of `flat` (the accumulated earlier micro-batches plus `grad`), in host
         memory, for a step taken as it arrives; the accumulator is left empty."""
+        self.settle(flat)
         record = self.records[flat]
         grad = self._host_fp32(grad)
         if record.has_grad:
@@ -411,6 +447,7 @@ class ShardStore:
     def lend(self, flat: FlatParam, with_grad: bool) -> LentShard:
         """`flat`'s master, moments (and gradient sum) for one in-place step: the home buffers in memory, or
         host copies read from NVMe (waiting for them); give them back with `give_back`."""
+        self.settle(flat)
         fetched: list[Hashable] = []
 
         def buffer(kind: ShardKind) -> torch.Tensor:
