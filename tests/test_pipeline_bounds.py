@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import batches, ds_config, make_model
+from harness import config
 from torch import nn
+from toy_models import batches, make_model
 
 import infinity
 from infinity.comm import CommGroup
@@ -25,7 +26,9 @@ LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 
 
 def _placement(clip: float):
-    cfg = ds_config(micro_bs=1, offload_param="nvme", offload_optimizer="nvme", clip=clip, nvme_path="/unused")
+    cfg = config(
+        micro_bs=1, persistence=64, offload_param="nvme", offload_optimizer="nvme", clip=clip, nvme_path="/unused"
+    )
     cfg = resolve_auto(resolve_batch_sizes(load_config(cfg), 1), 64)
     return resolve_placement(cfg, torch.device("cpu"), 1, client_optimizer=False)
 
@@ -145,7 +148,7 @@ def test_parameter_read_ahead_stays_within_its_cap(tmp_path):
 
 @pytest.mark.parametrize("bucket_blocks", [0, 1, 3])
 def test_the_scheduler_holds_at_most_its_declared_gathered_weights(tmp_path, bucket_blocks):
-    cfg = ds_config(micro_bs=1, offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    cfg = config(micro_bs=1, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     full_block = max(b.numel for b in engine.blocks)
     bucket = bucket_blocks * full_block
