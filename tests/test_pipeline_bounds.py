@@ -22,6 +22,8 @@ from infinity.scheduler import BlockScheduler
 from infinity.shards import ShardKind, ShardStore, resolve_placement
 from infinity.storage import Tier, TierBudgets, TierStore
 
+pytestmark = pytest.mark.unit
+
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 
 
