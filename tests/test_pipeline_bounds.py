@@ -10,11 +10,12 @@ import pytest
 import torch
 from harness import config
 from torch import nn
-from toy_models import batches, make_model
+from toy_models import SEQ, batches, make_model
 
 import infinity
 from infinity.comm import CommGroup
 from infinity.config import AioConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.models.gpt import GPT, gpt_preset
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import FlatParam
@@ -163,5 +164,29 @@ def test_the_scheduler_holds_at_most_its_declared_gathered_weights(tmp_path, buc
         engine.step()
     bound = BlockScheduler.gathered_bytes_bound(full_block, bucket, engine.compute_dtype.itemsize)
     assert engine.scheduler.prefetches_issued > 0 or bucket == 0
+    assert 0 < engine.scheduler.gathered_high_water_bytes <= bound
+    engine.close()
+
+
+@pytest.mark.parametrize("bucket_blocks", [2, 3])
+def test_the_scheduler_holds_at_most_its_declared_gathered_weights_with_more_blocks_than_the_bucket(
+    tmp_path, bucket_blocks
+):
+    """Eight blocks, a bucket of two or three: what earlier prefetches left in flight counts against it."""
+    cfg = config(micro_bs=1, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    torch.manual_seed(0)
+    model = GPT(gpt_preset("tiny", bias=False, block_size=SEQ, n_layer=8))
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    full_block = max(b.numel for b in engine.blocks)
+    bucket = bucket_blocks * full_block
+    engine.scheduler.prefetch_bucket_elems = bucket
+    data = batches("gpt", 1)
+    for _ in range(3):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    bound = BlockScheduler.gathered_bytes_bound(full_block, bucket, engine.compute_dtype.itemsize)
+    assert engine.scheduler.prefetches_issued > 0
     assert 0 < engine.scheduler.gathered_high_water_bytes <= bound
     engine.close()

@@ -220,6 +220,17 @@ def test_the_next_blocks_within_the_bucket_are_prefetched_in_trace_order(disk_di
     run.close()
 
 
+def test_blocks_ahead_of_compute_never_hold_more_than_the_bucket(disk_dir):
+    """The bucket bounds what is gathered ahead of compute at any time (`gathered_bytes_bound`), not only
+    what one prefetch adds: blocks still in flight from the last prefetch count against it."""
+    run = _run(disk_dir, [S] * 8, bucket=3 * S)
+    run.forward()
+    run.forward()
+    for block in range(8):
+        assert run.held(1, block) == list(range(block + 1, min(block + 4, 8))), block
+    run.close()
+
+
 def test_prefetch_stops_at_max_live_parameters(disk_dir):
     run = _run(disk_dir, [S] * 6, bucket=10 * S, max_live=3 * S)
     run.forward()
