@@ -45,6 +45,12 @@ def test_block_classes_make_each_module_of_those_classes_a_block():
     assert plan.persistent == []
 
 
+def test_a_block_class_nested_inside_another_listed_class_is_no_error_and_the_outer_module_is_the_block():
+    model = make_model("gpt")  # each Block holds a FeedForward
+    plan = plan_blocks(model, ("Block", "FeedForward"), block_size_elems=1, persistence_threshold=0)
+    assert _blocks(plan) == _blocks(plan_blocks(model, ("Block",), block_size_elems=1, persistence_threshold=0))
+
+
 def test_a_block_class_the_model_lacks_is_refused_naming_it_and_the_classes_present():
     with pytest.raises(ConfigError, match=r"'zero_optimization.block_classes' names \['Blokc'\].*MLPLayer"):
         plan_blocks(make_model("mlp"), ("MLPLayer", "Blokc"), block_size_elems=1, persistence_threshold=0)
