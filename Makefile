@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test test-unit lint bench clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.cpp native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m unit tests
 
 bench: $(STAMP)
 	$(PY) tools/bench_adam.py --json

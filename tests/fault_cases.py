@@ -11,8 +11,8 @@ import random
 import shutil
 
 import torch
-from engine_cases import batches
 from out_of_core_cases import gpt_config, nvme_config
+from toy_models import batches
 
 import infinity
 from infinity.models.gpt import GPT

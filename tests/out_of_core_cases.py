@@ -6,19 +6,19 @@ import json
 import sys
 
 import torch
-from engine_cases import batches, ds_config
+from harness import config
+from toy_models import SEQ, batches
 
 import infinity
 from infinity.models.gpt import GPT, gpt_preset
 
-SEQ = 16
 # Deep and narrow (16 blocks) so the state is many times one block; a gentler lr than the engine matrix
 # keeps Adam's amplification of rounding in near-zero gradients inside the shared tolerance.
 LR = 1e-3
 
 
 def nvme_config(nvme_path: str, micro_bs: int = 2, host_budget: int | None = None, device_budget: int | None = None):
-    cfg = ds_config(micro_bs=micro_bs, offload_param="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
+    cfg = config(micro_bs=micro_bs, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
     cfg["optimizer"]["params"]["lr"] = LR
     cfg["zero_optimization"]["host_budget_bytes"] = host_budget
     cfg["zero_optimization"]["device_budget_bytes"] = device_budget

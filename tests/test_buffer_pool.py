@@ -11,6 +11,8 @@ import torch
 
 from infinity.storage import ALIGN, BudgetError, BufferPool, aligned_empty, aligned_view
 
+pytestmark = pytest.mark.unit
+
 MiB = 1 << 20
 
 

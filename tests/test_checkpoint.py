@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model
+from harness import config
+from toy_models import batches, make_model
 
 import infinity
 from infinity.engine.checkpoint import (
@@ -27,9 +28,13 @@ pytest_plugins = ["storage_fixtures"]  # a tiny tmpfs for a full disk
 
 
 def _config(offload: str) -> dict:
-    cfg = ds_config(micro_bs=2, offload_param=offload, offload_optimizer=offload)
+    cfg = config(micro_bs=2, persistence=64, offload_param=offload, offload_optimizer=offload)
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}}
     return cfg
+
+
+def _mlp_config() -> dict:
+    return config("mlp_h40", micro_bs=2, persistence=64)
 
 
 def _train(engine, data, steps: int) -> list[float]:
@@ -82,8 +87,8 @@ def test_resume_is_bit_exact(tmp_path, world, offload):
 
 
 def _saved_engine(tmp_path):
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=ds_config(kind="mlp", micro_bs=2))
-    _train(engine, batches("mlp", 2), 2)
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
+    _train(engine, batches("mlp_h40", 2), 2)
     folder = engine.save_checkpoint(str(tmp_path))
     return engine, folder
 
@@ -113,19 +118,19 @@ def test_corrupted_and_missing_files_are_named(tmp_path):
 
 
 def save_with_world(ckpt_dir: str) -> None:
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=ds_config(kind="mlp", micro_bs=2))
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
     engine.save_checkpoint(ckpt_dir)
 
 
 def test_other_world_size_is_refused_with_the_sizes(tmp_path):
     run_distributed(save_with_world, 2, str(tmp_path))
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=ds_config(kind="mlp", micro_bs=2))
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
     with pytest.raises(CheckpointError, match="written by 2 rank.*this run has 1"):
         engine.load_checkpoint(str(tmp_path))
 
 
 def test_no_checkpoint_gives_a_clear_error(tmp_path):
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=ds_config(kind="mlp", micro_bs=2))
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
     with pytest.raises(CheckpointError, match="no 'latest'"):
         engine.load_checkpoint(str(tmp_path))
 
@@ -133,13 +138,13 @@ def test_no_checkpoint_gives_a_clear_error(tmp_path):
 def test_deepspeed_load_options_restore_only_what_they_name(tmp_path):
     engine, folder = _saved_engine(tmp_path)
     saved = engine.full_state_dict()
-    fresh, _, _, _ = infinity.initialize(model=make_model("mlp", seed=5), config=ds_config(kind="mlp", micro_bs=2))
+    fresh, _, _, _ = infinity.initialize(model=make_model("mlp_h40", seed=5), config=_mlp_config())
     fresh.load_checkpoint(str(tmp_path), load_module_only=True)
     assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in saved.items())
     assert fresh.global_steps == 0
     for flat in fresh.shards.records:
         assert not fresh.shards.read_moments(flat)["exp_avg"].any()  # moments stay the fresh engine's
-    other, _, _, _ = infinity.initialize(model=make_model("mlp", seed=6), config=ds_config(kind="mlp", micro_bs=2))
+    other, _, _, _ = infinity.initialize(model=make_model("mlp_h40", seed=6), config=_mlp_config())
     other.load_checkpoint(str(tmp_path), load_optimizer_states=False)
     assert other.global_steps == engine.global_steps
     assert all(not record.step for record in other.shards.records.values())
@@ -147,7 +152,7 @@ def test_deepspeed_load_options_restore_only_what_they_name(tmp_path):
 
 def test_save_without_latest_leaves_the_pointer(tmp_path):
     engine, _ = _saved_engine(tmp_path)
-    _train(engine, batches("mlp", 2), 1)
+    _train(engine, batches("mlp_h40", 2), 1)
     engine.save_checkpoint(str(tmp_path), tag="extra", save_latest=False)
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert (tmp_path / "extra").is_dir()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_cases import ds_config, make_model
+from harness import config
+from toy_models import make_model
 
 import infinity
 from infinity.engine import checkpoint as ckpt
@@ -157,7 +158,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact
 
 
 def _engine():
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=ds_config(kind="mlp", micro_bs=2))
+    cfg = config("mlp_h40", micro_bs=2, persistence=64)
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=cfg)
     return engine
 
 

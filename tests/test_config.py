@@ -15,6 +15,8 @@ from infinity.config import (
     unresolved_auto_keys,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _minimal(**extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, **extra}

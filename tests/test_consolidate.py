@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model
+from harness import config
+from toy_models import batches, make_model
 
 import infinity
 from infinity.engine.checkpoint import OPTIM_STATES, CheckpointError, CheckpointFiles, resolve_folder
@@ -30,7 +31,7 @@ def _train(engine, data, steps: int) -> None:
 
 
 def _config(kind: str, offload: str, dtype: str, elastic: bool = False) -> dict:
-    cfg = ds_config(kind="mlp" if kind == "mlp" else "gpt", micro_bs=2, offload_param=offload, dtype=dtype)
+    cfg = config(kind, micro_bs=2, persistence=64, offload_param=offload, dtype=dtype)
     cfg["zero_optimization"]["offload_optimizer"]["device"] = offload
     cfg["zero_optimization"]["elastic_checkpoint"] = elastic
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}}
@@ -50,7 +51,7 @@ def train_and_save(ckpt_dir: str, kind: str, offload: str, dtype: str, steps: in
 
 @pytest.mark.parametrize(
     "kind,world,offload,dtype",
-    [("gpt", 1, "cpu", "bf16"), ("gpt_functional_tie", 2, "none", "fp32"), ("mlp", 2, "cpu", "fp32")],
+    [("gpt", 1, "cpu", "bf16"), ("gpt_functional_tie", 2, "none", "fp32"), ("mlp_h40", 2, "cpu", "fp32")],
 )
 def test_consolidated_state_dict_equals_full_state_dict(tmp_path, kind, world, offload, dtype):
     results = run_distributed(train_and_save, world, str(tmp_path / "ckpt"), kind, offload, dtype, 3)
@@ -162,8 +163,8 @@ def test_consolidation_memory_stays_near_the_largest_tensor(tmp_path):
 def test_save_holds_one_shards_state_in_memory_at_a_time(tmp_path, monkeypatch):
     import weakref
 
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=_config("mlp", "cpu", "fp32"))
-    _train(engine, batches("mlp", 2), 1)
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_config("mlp_h40", "cpu", "fp32"))
+    _train(engine, batches("mlp_h40", 2), 1)
     live = {"now": 0, "peak": 0}
 
     def track(t: torch.Tensor) -> torch.Tensor:
@@ -183,7 +184,7 @@ def test_save_holds_one_shards_state_in_memory_at_a_time(tmp_path, monkeypatch):
 
 
 def test_consolidation_refuses_a_corrupted_rank_file(tmp_path):
-    run_distributed(train_and_save, 2, str(tmp_path / "ckpt"), "mlp", "none", "fp32", 1)
+    run_distributed(train_and_save, 2, str(tmp_path / "ckpt"), "mlp_h40", "none", "fp32", 1)
     victim = next((tmp_path / "ckpt" / "global_step1").glob("zero_pp_rank_1_*optim_states.pt"))
     data = bytearray(victim.read_bytes())
     data[-200] ^= 0x01
@@ -233,10 +234,10 @@ def _assert_same_optimizer_state(a, b) -> None:
 @pytest.mark.parametrize("saved_world,loaded_world", [(2, 1), (1, 2)])
 def test_elastic_load_reshards_weights_and_optimizer_state_exactly(tmp_path, saved_world, loaded_world):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    saved = run_distributed(train_and_save, saved_world, src, "mlp", "cpu", "fp32", 3)
+    saved = run_distributed(train_and_save, saved_world, src, "mlp_h40", "cpu", "fp32", 3)
     # The run continued on its own world size, for comparison after two more steps.
-    straight = run_distributed(load_resave, saved_world, src, str(tmp_path / "same"), "mlp", "cpu", False, 2)
-    resharded = run_distributed(load_resave, loaded_world, src, dst, "mlp", "cpu", True, 2)
+    straight = run_distributed(load_resave, saved_world, src, str(tmp_path / "same"), "mlp_h40", "cpu", False, 2)
+    resharded = run_distributed(load_resave, loaded_world, src, dst, "mlp_h40", "cpu", True, 2)
     for r in resharded:
         assert all(torch.equal(r["loaded"][k], v) for k, v in saved[0]["full"].items())
         assert r["steps"] == 5 and r["lr"] == straight[0]["lr"]
@@ -246,7 +247,7 @@ def test_elastic_load_reshards_weights_and_optimizer_state_exactly(tmp_path, sav
 
 
 def refuse_other_world(src: str) -> str:
-    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=_config("mlp", "none", "fp32"))
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_config("mlp_h40", "none", "fp32"))
     try:
         engine.load_checkpoint(src)
     except CheckpointError as exc:
@@ -255,7 +256,7 @@ def refuse_other_world(src: str) -> str:
 
 
 def test_other_world_size_without_elastic_checkpoint_is_refused_saying_how_to_reshard(tmp_path):
-    run_distributed(train_and_save, 2, str(tmp_path), "mlp", "none", "fp32", 1)
+    run_distributed(train_and_save, 2, str(tmp_path), "mlp_h40", "none", "fp32", 1)
     (message,) = run_distributed(refuse_other_world, 1, str(tmp_path))
     assert "written by 2 rank(s) and this run has 1" in message
     assert '"elastic_checkpoint": true' in message

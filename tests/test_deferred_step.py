@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model, mean_over_ranks, reference_run, train_infinity
-from test_engine_correctness import assert_weights_close
+from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank
+from toy_models import batches, make_model
 
 import infinity
 
@@ -24,8 +24,9 @@ MICRO_BS = 2
 
 
 def _config(offload_param: str, dtype: str, grad_accum: int, nvme_path: str) -> dict:
-    return ds_config(
+    return config(
         micro_bs=MICRO_BS,
+        persistence=64,
         grad_accum=grad_accum,
         offload_param=offload_param,
         offload_optimizer="nvme",
@@ -41,11 +42,15 @@ def _config(offload_param: str, dtype: str, grad_accum: int, nvme_path: str) -> 
 )
 def test_deferred_clipped_steps_match_plain_pytorch(tmp_path, world, offload_param, dtype, grad_accum):
     cfg = _config(offload_param, dtype, grad_accum, str(tmp_path))
-    results = run_distributed(train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
-    ref_losses, ref_state = reference_run(
-        "gpt", STEPS, MICRO_BS * world, grad_accum, 1.0, torch.bfloat16 if dtype == "bf16" else torch.float32
+    results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    ref_losses, ref_state, _ = reference_for(
+        "gpt",
+        STEPS,
+        MICRO_BS * world,
+        grad_accum=grad_accum,
+        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
     )
-    assert mean_over_ranks(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
     assert_weights_close(results[0]["state"], ref_state, dtype)
     # the steps did run in the following forwards (the last one when the weights were read); one rank whose
     # parameters live in memory keeps them resident (never gathered): it steps after backward
@@ -69,7 +74,7 @@ def test_reading_weights_or_saving_right_after_a_step_settles_what_is_owed(tmp_p
     """Right after step() the shards are owed their step: full_state_dict, a checkpoint and GatheredParameters
     see the stepped weights, and a run resumed from that checkpoint continues exactly."""
     cfg = _config("nvme", "fp32", 1, str(tmp_path))
-    ref_losses, ref_state = reference_run("gpt", STEPS, MICRO_BS, 1, 1.0, torch.float32)
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     data = batches("gpt", MICRO_BS)
     losses = _train(engine, data, 2)
@@ -77,7 +82,7 @@ def test_reading_weights_or_saving_right_after_a_step_settles_what_is_owed(tmp_p
     assert engine.optimizer.stepped_when_needed == shards  # the first step, in the second forward; the second owed
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     assert engine.optimizer.stepped_when_needed == 2 * shards  # the save read the shards: it settled them first
-    _, mid_state = reference_run("gpt", 2, MICRO_BS, 1, 1.0, torch.float32)
+    _, mid_state, _ = reference_for("gpt", 2, MICRO_BS)
     assert_weights_close(engine.full_state_dict(), mid_state)
     losses += _train(engine, data, 2)
     engine.close()

@@ -8,13 +8,9 @@ import functools
 import pytest
 import torch
 from dist import run_distributed
-from engine_features_cases import (
-    batch_size_error_on_two_ranks,
-    build,
-    feature_config,
-    rank1_dies_mid_step,
-    run_until_stopped,
-)
+from engine_features_cases import batch_size_error_on_two_ranks, rank1_dies_mid_step, run_until_stopped
+from harness import config
+from toy_models import make_model
 
 import infinity
 from infinity.comm import CommError
@@ -24,10 +20,10 @@ from infinity.config import ConfigError
 
 
 def test_initializing_the_same_model_twice_is_refused():
-    model = build("mlp")
-    infinity.initialize(model=model, config=feature_config())
+    model = make_model("mlp")
+    infinity.initialize(model=model, config=config("mlp"))
     with pytest.raises(ValueError, match="already wrapped by an infinity engine"):
-        infinity.initialize(model=model, config=feature_config())
+        infinity.initialize(model=model, config=config("mlp"))
 
 
 class _NoInit(torch.nn.Module):
@@ -43,37 +39,37 @@ def test_meta_model_without_an_initializer_is_refused_naming_the_module():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), _NoInit())
     with pytest.raises(ValueError, match=r"module '1' \(_NoInit\) has parameters on the meta device"):
-        infinity.initialize(model=model, config=feature_config())
+        infinity.initialize(model=model, config=config("mlp"))
 
 
 def test_block_classes_naming_a_class_absent_from_the_model_is_refused():
     with pytest.raises(ConfigError, match=r"block_classes' names \['Blokc'\].*MLPLayer"):
-        infinity.initialize(model=build("mlp"), config=feature_config(block_classes=("Blokc",)))
+        infinity.initialize(model=make_model("mlp"), config=config("mlp", block_classes=("Blokc",)))
 
 
 # -- the optimizer -----------------------------------------------------------------------------------------
 
 
 def test_unsupported_client_optimizer_is_refused_by_name():
-    model = build("mlp")
+    model = make_model("mlp")
     with pytest.raises(ConfigError, match="optimizer SGD is not supported"):
-        infinity.initialize(model=model, config=feature_config(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        infinity.initialize(model=model, config=config("mlp"), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_client_adam_with_amsgrad_is_refused():
-    model = build("mlp")
+    model = make_model("mlp")
     opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
     with pytest.raises(ConfigError, match="amsgrad"):
-        infinity.initialize(model=model, config=feature_config(), optimizer=opt)
+        infinity.initialize(model=model, config=config("mlp"), optimizer=opt)
 
 
 def test_a_refused_initialize_leaves_the_model_usable():
-    model = build("mlp")
+    model = make_model("mlp")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ConfigError):
-        infinity.initialize(model=model, config=feature_config(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        infinity.initialize(model=model, config=config("mlp"), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    engine, _, _, _ = infinity.initialize(model=model, config=feature_config())
+    engine, _, _, _ = infinity.initialize(model=model, config=config("mlp"))
     assert list(engine.full_state_dict()) == list(before)
 
 
@@ -82,38 +78,38 @@ def test_a_refused_initialize_leaves_the_model_usable():
 
 def test_zero_stage_zero_is_refused_naming_the_stages_there_are():
     """Stages 1, 2 and 3 train (`test_zero_stages`); stage 0 is plain data parallelism."""
-    cfg = feature_config(extra_zero={"stage": 0})
+    cfg = config("mlp", extra_zero={"stage": 0})
     with pytest.raises(ConfigError, match=r"'zero_optimization.stage' is 0; infinity implements ZeRO stages 1, 2"):
-        infinity.initialize(model=build("mlp"), config=cfg)
+        infinity.initialize(model=make_model("mlp"), config=cfg)
 
 
 def test_unknown_top_level_key_suggests_the_closest_one():
-    cfg = {**feature_config(), "train_batch_szie": 4}
+    cfg = {**config("mlp"), "train_batch_szie": 4}
     with pytest.raises(ConfigError, match=r"unknown config key 'train_batch_szie'.*did you mean 'train_batch_size'"):
-        infinity.initialize(model=build("mlp"), config=cfg)
+        infinity.initialize(model=make_model("mlp"), config=cfg)
 
 
 def test_unknown_nested_key_names_its_path_and_suggests_the_closest_one():
-    cfg = feature_config(extra_zero={"offload_parm": {"device": "cpu"}})
+    cfg = config("mlp", extra_zero={"offload_parm": {"device": "cpu"}})
     with pytest.raises(ConfigError, match=r"'zero_optimization\.offload_parm'.*did you mean 'offload_param'"):
-        infinity.initialize(model=build("mlp"), config=cfg)
+        infinity.initialize(model=make_model("mlp"), config=cfg)
 
 
 def test_unknown_optimizer_param_lists_the_known_ones():
-    cfg = feature_config()
+    cfg = config("mlp")
     cfg["optimizer"]["params"]["weight_decya"] = 0.1
     with pytest.raises(ConfigError, match=r"'optimizer\.params' has unknown key\(s\) \['weight_decya'\].*weight_decay"):
-        infinity.initialize(model=build("mlp"), config=cfg)
+        infinity.initialize(model=make_model("mlp"), config=cfg)
 
 
 def test_inconsistent_batch_triple_shows_the_arithmetic():
-    cfg = {**feature_config(micro_bs=2, grad_accum=3), "train_batch_size": 8}
+    cfg = {**config("mlp", micro_bs=2, grad_accum=3), "train_batch_size": 8}
     with pytest.raises(ConfigError, match=r"train_batch_size \(8\) != .*\(2\) x .*\(3\) x world size \(1\) = 6"):
-        infinity.initialize(model=build("mlp"), config=cfg)
+        infinity.initialize(model=make_model("mlp"), config=cfg)
 
 
 def test_batch_sizes_that_two_ranks_cannot_share_are_refused_on_every_rank():
-    base = {k: v for k, v in feature_config().items() if k not in ("train_micro_batch_size_per_gpu",)}
+    base = {k: v for k, v in config("mlp").items() if k not in ("train_micro_batch_size_per_gpu",)}
     base.pop("gradient_accumulation_steps")
     alone = run_distributed(batch_size_error_on_two_ranks, 2, {**base, "train_batch_size": 3})
     with_micro = run_distributed(
@@ -172,8 +168,8 @@ def test_peer_failure_mid_step_raises_comm_error_naming_the_collective(mode):
 def test_a_host_budget_smaller_than_the_host_homed_shards_is_refused_before_anything_is_built():
     """cpu offload keeps parameter shards, masters, moments and gradient accumulators in host memory: an
     explicit host budget below their size is a ConfigError naming the key and the bytes needed."""
-    model = build("mlp")
-    cfg = feature_config()
+    model = make_model("mlp")
+    cfg = config("mlp")
     cfg["zero_optimization"].update(
         {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}, "host_budget_bytes": 10_000}
     )
@@ -182,6 +178,6 @@ def test_a_host_budget_smaller_than_the_host_homed_shards_is_refused_before_anyt
     needed = int(info.value.args[0].split(" need ")[1].split()[0])
     assert needed > 10_000 and needed % 4096 == 0  # whole 4 KiB buffers, as the pool hands them out
     cfg["zero_optimization"]["host_budget_bytes"] = needed + (4 << 20)  # and a budget that holds them works
-    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=cfg)
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
     assert engine.tiers.stats()["host"]["high_water_bytes"] >= needed
     engine.close()

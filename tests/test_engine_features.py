@@ -1,9 +1,9 @@
 """Engine features a DeepSpeed/FSDP user relies on, each checked against plain PyTorch or a hand computation.
 
 World size 1 and, where sharding or collectives change the picture, 2 (real Gloo processes). Tolerances are
-those of test_engine_correctness.py (`assert_weights_close`, losses to rtol 1e-5 in fp32: the engine differs
-from the reference only in summation order); any other tolerance is justified where it is used.
-Rank functions and models live in engine_features_cases.py.
+the harness's (`assert_matches_reference`, `assert_weights_close`: losses to rtol 1e-5 in fp32, the engine
+differing from the reference only in summation order); any other tolerance is justified where it is used.
+Rank functions live in engine_features_cases.py, the models in toy_models.py.
 """
 
 from __future__ import annotations
@@ -16,32 +16,32 @@ import tempfile
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import LR, WEIGHT_DECAY, batches, ds_config, make_model, reference_run, train_infinity
 from engine_features_cases import (
-    FROZEN,
     accumulation_session,
-    build,
     client_adam_l2,
     client_adamw,
     control_flow_session,
     eval_session,
-    feature_batches,
-    feature_config,
     fp16_session,
     gathered_parameters_session,
     half_per_step,
-    mean_losses,
     modify_gathered_weight_without_modifier_rank,
     no_decay_groups,
-    plain_train,
     plain_with_modification,
     probe_input,
-    reference_for,
     skip_on_steps_2_to_4,
-    train_features,
-    train_gpt_watching_the_trace,
 )
-from test_engine_correctness import assert_weights_close
+from harness import (
+    LR,
+    WEIGHT_DECAY,
+    assert_matches_reference,
+    assert_weights_close,
+    config,
+    reference_for,
+    reference_train,
+    train_on_rank,
+)
+from toy_models import FROZEN, batches, make_model
 
 import infinity
 from infinity.config import FP16Config
@@ -53,24 +53,16 @@ MICRO_BS = 2
 FP32_LOSS_RTOL = 1e-5
 
 
-def _assert_matches(results: list[dict], ref_losses: list[float], ref_state: dict) -> None:
-    """Losses and final weights as plain PyTorch, and every rank sees the same full weights."""
-    assert mean_losses(results) == pytest.approx(ref_losses, rel=FP32_LOSS_RTOL)
-    assert_weights_close(results[0]["state"], ref_state)
-    for other in results[1:]:
-        for key, value in results[0]["state"].items():
-            assert torch.equal(other["state"][key], value), key
-
-
 @functools.cache
-def _features_run(kind: str, world: int, **config) -> tuple:
-    cfg = feature_config(micro_bs=MICRO_BS, **config)
-    return tuple(run_distributed(train_features, world, kind, cfg, STEPS, MICRO_BS))
+def _features_run(kind: str, world: int, **options) -> tuple:
+    cfg = config(kind, micro_bs=MICRO_BS, **options)
+    return tuple(run_distributed(train_on_rank, world, kind, cfg, STEPS, MICRO_BS))
 
 
 @functools.cache
 def _gpt_run(kind: str, world: int) -> tuple:
-    return tuple(run_distributed(train_infinity, world, kind, ds_config(micro_bs=MICRO_BS), STEPS, MICRO_BS))
+    cfg = config(kind, micro_bs=MICRO_BS, persistence=64)
+    return tuple(run_distributed(train_on_rank, world, kind, cfg, STEPS, MICRO_BS))
 
 
 # -- 1. weight tying --------------------------------------------------------------------------------------
@@ -81,8 +73,8 @@ def _gpt_run(kind: str, world: int) -> tuple:
 def test_tied_embedding_and_head_train_like_plain_pytorch(kind, world):
     """(a) lm_head.weight is wte.weight; (b) wte.weight used through F.linear outside its module."""
     results = _gpt_run(kind, world)
-    ref_losses, ref_state = reference_run(kind, STEPS, MICRO_BS * world, 1, 1.0, torch.float32)
-    _assert_matches(list(results), ref_losses, ref_state)
+    ref_losses, ref_state, _ = reference_for(kind, STEPS, MICRO_BS * world)
+    assert_matches_reference(list(results), ref_losses, ref_state)
 
 
 def test_full_state_dict_has_a_tied_weight_under_every_name_with_equal_values():
@@ -106,13 +98,13 @@ def test_full_state_dict_of_a_functionally_tied_model_keys_like_its_state_dict()
 @pytest.mark.parametrize("world", [1, 2])
 def test_block_applied_twice_per_forward_matches_plain_pytorch(world):
     ref_losses, ref_state, _ = reference_for("reused", STEPS, MICRO_BS * world)
-    _assert_matches(list(_features_run("reused", world)), ref_losses, ref_state)
+    assert_matches_reference(list(_features_run("reused", world)), ref_losses, ref_state)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_linear_shared_by_two_blocks_matches_plain_pytorch(world):
     ref_losses, ref_state, _ = reference_for("shared_linear", STEPS, MICRO_BS * world)
-    _assert_matches(list(_features_run("shared_linear", world)), ref_losses, ref_state)
+    assert_matches_reference(list(_features_run("shared_linear", world)), ref_losses, ref_state)
 
 
 # -- 3. frozen parameters ----------------------------------------------------------------------------------
@@ -127,9 +119,9 @@ def test_frozen_parameters_keep_their_values(world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_trainable_parameters_beside_frozen_ones_match_plain_pytorch(world):
-    # The reference's optimizer gets only the trainable parameters (engine_features_cases.config_adamw).
+    # The reference's optimizer gets only the trainable parameters (harness.config_adamw).
     ref_losses, ref_state, _ = reference_for("frozen", STEPS, MICRO_BS * world)
-    _assert_matches(list(_features_run("frozen", world)), ref_losses, ref_state)
+    assert_matches_reference(list(_features_run("frozen", world)), ref_losses, ref_state)
 
 
 # -- 4. buffers --------------------------------------------------------------------------------------------
@@ -139,12 +131,12 @@ def test_buffers_used_and_updated_in_forward_train_like_plain_pytorch():
     # World 1: the running buffer is updated from each rank's own rows, so with 2 ranks it is per-rank state.
     results = _features_run("buffers", 1, block_classes=("ScaledLayer",))
     ref_losses, ref_state, _ = reference_for("buffers", STEPS, MICRO_BS)
-    _assert_matches(list(results), ref_losses, ref_state)
+    assert_matches_reference(list(results), ref_losses, ref_state)
 
 
 def test_full_state_dict_holds_the_persistent_buffers_and_not_the_others():
     state = _features_run("buffers", 1, block_classes=("ScaledLayer",))[0]["state"]
-    plain = build("buffers")
+    plain = make_model("buffers")
     assert list(state) == list(plain.state_dict())  # "layers.0.pos_ids" is persistent=False: absent in both
     assert torch.equal(state["layers.1.scale"], plain.layers[1].scale)
     assert torch.equal(state["out_shift"], plain.out_shift)
@@ -157,7 +149,7 @@ def test_full_state_dict_holds_the_persistent_buffers_and_not_the_others():
 def test_odd_sized_parameters_match_plain_pytorch_on_two_ranks():
     # 13->7->7->7->5: 7x13, 7x7, 5x7 weights and 7, 5 biases; none divides by 2, all are sharded.
     ref_losses, ref_state, _ = reference_for("odd", STEPS, MICRO_BS * 2)
-    _assert_matches(list(_features_run("odd", 2)), ref_losses, ref_state)
+    assert_matches_reference(list(_features_run("odd", 2)), ref_losses, ref_state)
 
 
 # -- 6. activation checkpointing ---------------------------------------------------------------------------
@@ -167,20 +159,20 @@ def test_odd_sized_parameters_match_plain_pytorch_on_two_ranks():
 def test_activation_checkpointing_matches_plain_pytorch(world):
     # The reference runs without checkpointing: recomputation is the same math.
     results = _gpt_run("gpt_checkpointed", world)
-    ref_losses, ref_state = reference_run("gpt", STEPS, MICRO_BS * world, 1, 1.0, torch.float32)
-    _assert_matches(list(results), ref_losses, ref_state)
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS * world)
+    assert_matches_reference(list(results), ref_losses, ref_state)
 
 
 @functools.cache
 def _reentrant_run(world: int) -> tuple:
-    cfg = ds_config(micro_bs=MICRO_BS)
-    return tuple(run_distributed(train_gpt_watching_the_trace, world, "gpt_reentrant", cfg, STEPS, MICRO_BS))
+    cfg = config("gpt_reentrant", micro_bs=MICRO_BS, persistence=64)
+    return tuple(run_distributed(train_on_rank, world, "gpt_reentrant", cfg, STEPS, MICRO_BS))
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_reentrant_activation_checkpointing_matches_plain_pytorch(world):
-    ref_losses, ref_state = reference_run("gpt", STEPS, MICRO_BS * world, 1, 1.0, torch.float32)
-    _assert_matches(list(_reentrant_run(world)), ref_losses, ref_state)
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS * world)
+    assert_matches_reference(list(_reentrant_run(world)), ref_losses, ref_state)
 
 
 def test_reentrant_activation_checkpointing_keeps_the_forward_trace_valid():
@@ -193,7 +185,7 @@ def test_reentrant_activation_checkpointing_keeps_the_forward_trace_valid():
 
 @functools.cache
 def _eval_run(world: int) -> tuple:
-    return tuple(run_distributed(eval_session, world, "gpt", ds_config(micro_bs=MICRO_BS), 2, 2, MICRO_BS))
+    return tuple(run_distributed(eval_session, world, "gpt", config(micro_bs=MICRO_BS, persistence=64), 2, 2, MICRO_BS))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -215,7 +207,7 @@ def test_eval_no_grad_outputs_equal_the_plain_model_with_the_same_weights(world)
 def test_no_block_stays_gathered_after_inference(world, tmp_path):
     runs = [_eval_run(world)]
     if world == 1:  # offload none keeps one rank's blocks resident; parameters on NVMe are gathered and freed
-        cfg = ds_config(micro_bs=MICRO_BS, offload_param="nvme", nvme_path=str(tmp_path))
+        cfg = config(micro_bs=MICRO_BS, persistence=64, offload_param="nvme", nvme_path=str(tmp_path))
         runs.append(tuple(run_distributed(eval_session, 1, "gpt", cfg, 2, 2, MICRO_BS)))
     for results in runs:
         for result in results:
@@ -237,7 +229,7 @@ def test_one_rank_keeps_in_memory_shards_resident(offload):
     the optimizer's new weights are what the next forward reads."""
     if offload == "cpu" and torch.cuda.is_available():
         pytest.skip("with a GPU the host is not the compute's memory: shards on the host are gathered")
-    cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, offload_optimizer=offload)
+    cfg = config(micro_bs=MICRO_BS, persistence=64, offload_param=offload, offload_optimizer=offload)
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     homes = {flat: engine.shards.shard_view(flat, ShardKind.PARAM) for flat in engine.flats}
     for flat, home in homes.items():
@@ -258,8 +250,8 @@ def test_one_rank_keeps_in_memory_shards_resident(offload):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_training_after_inference_matches_plain_pytorch(world):
-    ref_losses, ref_state = reference_run("gpt", 4, MICRO_BS * world, 1, 1.0, torch.float32)
-    _assert_matches(list(_eval_run(world)), ref_losses, ref_state)
+    ref_losses, ref_state, _ = reference_for("gpt", 4, MICRO_BS * world)
+    assert_matches_reference(list(_eval_run(world)), ref_losses, ref_state)
 
 
 # -- 8. GatheredParameters ------------------------------------------------------------------------------------
@@ -294,7 +286,7 @@ def test_gathered_parameters_without_modifier_rank_discards_changes(world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_gathered_parameters_without_modifier_rank_discards_changes_to_gathered_weights(world):
-    plain = build("mlp")
+    plain = make_model("mlp")
     with torch.no_grad():
         expected = plain(probe_input())[0]
     for result in run_distributed(modify_gathered_weight_without_modifier_rank, world):
@@ -320,7 +312,7 @@ def test_gathered_parameters_with_modifier_rank_writes_its_values_to_every_rank(
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_gathered_parameters_cut_short_by_an_error_keeps_the_weights(tmp_path, offload):
     """An exception inside the block discards the edits, also with modifier_rank and resident weights."""
-    cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, nvme_path=str(tmp_path))
+    cfg = config(micro_bs=MICRO_BS, persistence=64, offload_param=offload, nvme_path=str(tmp_path))
     model = make_model("gpt")
     engine, _, _, _ = infinity.initialize(model=model, config=cfg)
     before = engine.full_state_dict()
@@ -338,7 +330,7 @@ def test_gathered_parameters_cut_short_by_an_error_keeps_the_weights(tmp_path, o
 def test_nvme_optimizer_mid_step_refuses_state_access_until_step(tmp_path):
     """Stepping shards as gradients arrive leaves the optimizer mid-step between backward and step():
     reading or writing its state (a checkpoint) or zero_grad then says to call step() first."""
-    cfg = ds_config(micro_bs=MICRO_BS, offload_optimizer="nvme", clip=0.0, nvme_path=str(tmp_path))
+    cfg = config(micro_bs=MICRO_BS, persistence=64, offload_optimizer="nvme", clip=0.0, nvme_path=str(tmp_path))
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     x, y = next(batches("gpt", MICRO_BS))
     _, loss = engine(x, y)
@@ -359,7 +351,7 @@ def test_nvme_optimizer_mid_step_refuses_state_access_until_step(tmp_path):
 def test_training_continues_from_weights_written_in_gathered_parameters(world):
     ref = _gathered_reference(world)
     results = list(_gathered_run(world))
-    _assert_matches(results, ref["losses"], ref["state"])
+    assert_matches_reference(results, ref["losses"], ref["state"])
 
 
 # -- 9. fp16 dynamic loss scaling -----------------------------------------------------------------------------
@@ -377,10 +369,10 @@ def _fp16_run(world: int, inf_at_step: int | None, inf_on_rank: int) -> tuple:
 def _fp16_reference(rows: list[dict], world: int) -> tuple[list[float], dict]:
     """fp32 AdamW on exactly the batches of the steps the engine applied (skipped steps consume theirs)."""
     applied = [i for i, r in enumerate(rows) if r["skipped"] == (rows[i - 1]["skipped"] if i else 0)]
-    stream = feature_batches("mlp", MICRO_BS * world, dtype=torch.float16)
-    batches = [tuple(t.float() for t in b) for _, b in zip(range(len(rows)), stream, strict=False)]
-    data = iter([batches[i] for i in applied])
-    losses, state, _ = plain_train(build("mlp"), data, len(applied))
+    stream = batches("mlp", MICRO_BS * world, dtype=torch.float16)
+    fp32 = [tuple(t.float() for t in b) for _, b in zip(range(len(rows)), stream, strict=False)]
+    data = iter([fp32[i] for i in applied])
+    losses, state, _ = reference_train(lambda: make_model("mlp"), data, len(applied))
     return losses, state
 
 
@@ -500,7 +492,7 @@ def test_loss_scaler_skips_exactly_the_overflowing_steps():
 def test_tight_gradient_clipping_uses_the_global_norm(world):
     # clip 0.01 is far below every step's gradient norm (~0.3-1), so the clip coefficient differs every step.
     ref_losses, ref_state, _ = reference_for("mlp", STEPS, MICRO_BS * world, clip=0.01)
-    _assert_matches(list(_features_run("mlp", world, clip=0.01)), ref_losses, ref_state)
+    assert_matches_reference(list(_features_run("mlp", world, clip=0.01)), ref_losses, ref_state)
     # The test is sensitive to clipping: without it the reference lands elsewhere.
     _, unclipped, _ = reference_for("mlp", STEPS, MICRO_BS * world, clip=0.0)
     assert max((unclipped[k] - ref_state[k]).abs().max().item() for k in ref_state) > 1e-4
@@ -537,9 +529,9 @@ def _ds_warmup_cosine_lr(it: int, base: float, min_ratio: float, warmup: int, to
     return base * max(0.0, cos_min + (1 - cos_min) * ratio)
 
 
-def _engine_with_schedule(kind: str, params: dict, **config) -> infinity.InfinityEngine:
-    cfg = feature_config(extra={"scheduler": {"type": kind, "params": params}}, **config)
-    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=cfg)
+def _engine_with_schedule(kind: str, params: dict, **options) -> infinity.InfinityEngine:
+    cfg = config("mlp", extra={"scheduler": {"type": kind, "params": params}}, **options)
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
     return engine
 
 
@@ -583,7 +575,7 @@ def test_warmup_lr_of_one_step_warms_up_over_two_as_deepspeed(warmup_type):
 
 def _train_steps(engine, n_micro: int, dtype=torch.float32) -> list[list[float]]:
     """engine.get_lr() before each micro-step and after the last."""
-    data = feature_batches("mlp", MICRO_BS, dtype=dtype)
+    data = batches("mlp", MICRO_BS, dtype=dtype)
     lrs = []
     for _ in range(n_micro):
         lrs.append(engine.get_lr())
@@ -617,8 +609,8 @@ def test_lr_schedule_does_not_advance_between_accumulation_boundaries():
 def test_lr_schedule_does_not_advance_on_a_skipped_fp16_step():
     # As DeepSpeed's _take_model_step: an overflowing step steps neither the optimizer nor the schedule.
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 30, "hysteresis": 1}}
-    cfg = feature_config(extra={"scheduler": {"type": "WarmupLR", "params": WARMUP_100}, **fp16})
-    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=cfg)
+    cfg = config("mlp", extra={"scheduler": {"type": "WarmupLR", "params": WARMUP_100}, **fp16})
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
     lrs = _train_steps(engine, 2, dtype=torch.float16)
     assert engine.skipped_steps == 2 and lrs[0] == lrs[1] == lrs[2]
 
@@ -630,27 +622,27 @@ def _lambda_scheduler(optimizer):
 @pytest.mark.parametrize("world", [1, 2])
 def test_lr_scheduler_passed_as_a_callable_is_stepped_by_the_engine(world):
     results = run_distributed(
-        train_features, world, "mlp", feature_config(), STEPS, MICRO_BS, scheduler_factory=_lambda_scheduler
+        train_on_rank, world, "mlp", config("mlp"), STEPS, MICRO_BS, scheduler_factory=_lambda_scheduler
     )
     ref_losses, ref_state, ref_lrs = reference_for("mlp", STEPS, MICRO_BS * world, lr_lambda=half_per_step)
     assert [lr[0] for lr in results[0]["lrs"]] == pytest.approx([LR * 0.5**k for k in range(STEPS)], rel=1e-12)
     assert results[0]["lrs"] == ref_lrs
-    _assert_matches(results, ref_losses, ref_state)
+    assert_matches_reference(results, ref_losses, ref_state)
 
 
 def test_lambda_lr_built_on_the_returned_optimizer_drives_the_engine():
-    results = run_distributed(train_features, 1, "mlp", feature_config(), STEPS, MICRO_BS, user_lr_lambda=half_per_step)
+    results = run_distributed(train_on_rank, 1, "mlp", config("mlp"), STEPS, MICRO_BS, user_lr_lambda=half_per_step)
     ref_losses, ref_state, ref_lrs = reference_for("mlp", STEPS, MICRO_BS, lr_lambda=half_per_step)
     assert results[0]["lrs"] == ref_lrs
-    _assert_matches(results, ref_losses, ref_state)
+    assert_matches_reference(results, ref_losses, ref_state)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # the client opt never steps
 def test_lr_scheduler_built_on_the_client_optimizer_drives_the_engine():
-    model = build("mlp")
+    model = make_model("mlp")
     client = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(client, half_per_step)
-    engine, _, _, _ = infinity.initialize(model=model, config=feature_config(), optimizer=client, lr_scheduler=sched)
+    engine, _, _, _ = infinity.initialize(model=model, config=config("mlp"), optimizer=client, lr_scheduler=sched)
     lrs = [lr[0] for lr in _train_steps(engine, 3)]
     assert lrs == pytest.approx([LR * 0.5**k for k in range(4)], rel=1e-12)
 
@@ -661,19 +653,19 @@ def test_lr_scheduler_built_on_the_client_optimizer_drives_the_engine():
 @pytest.mark.parametrize("world", [1, 2])
 def test_client_adamw_with_param_groups_matches_plain_pytorch(world):
     results = run_distributed(
-        train_features, world, "mlp", feature_config(), STEPS, MICRO_BS, client_optimizer=client_adamw
+        train_on_rank, world, "mlp", config("mlp"), STEPS, MICRO_BS, client_optimizer=client_adamw
     )
     ref_losses, ref_state, ref_lrs = reference_for("mlp", STEPS, MICRO_BS * world, make_optimizer=client_adamw)
     assert results[0]["lrs"][0] == [LR, 2 * LR, LR] == ref_lrs[0]
-    _assert_matches(results, ref_losses, ref_state)
+    assert_matches_reference(results, ref_losses, ref_state)
 
 
 def test_client_adam_with_l2_weight_decay_matches_plain_pytorch():
     results = run_distributed(
-        train_features, 1, "mlp", feature_config(), STEPS, MICRO_BS, client_optimizer=client_adam_l2
+        train_on_rank, 1, "mlp", config("mlp"), STEPS, MICRO_BS, client_optimizer=client_adam_l2
     )
     ref_losses, ref_state, _ = reference_for("mlp", STEPS, MICRO_BS, make_optimizer=client_adam_l2)
-    _assert_matches(results, ref_losses, ref_state)
+    assert_matches_reference(results, ref_losses, ref_state)
 
 
 def _config_adamw_groups(model):
@@ -684,11 +676,11 @@ def _config_adamw_groups(model):
 @pytest.mark.parametrize("world", [1, 2])
 def test_model_parameters_given_as_groups_match_plain_pytorch(world):
     results = run_distributed(
-        train_features, world, "mlp", feature_config(), STEPS, MICRO_BS, groups_as_model_parameters=True
+        train_on_rank, world, "mlp", config("mlp"), STEPS, MICRO_BS, model_parameters=no_decay_groups
     )
     ref_losses, ref_state, ref_lrs = reference_for("mlp", STEPS, MICRO_BS * world, make_optimizer=_config_adamw_groups)
     assert results[0]["lrs"][0] == ref_lrs[0] == [LR, 2 * LR, LR]
-    _assert_matches(results, ref_losses, ref_state)
+    assert_matches_reference(results, ref_losses, ref_state)
 
 
 # -- 13. gradient accumulation --------------------------------------------------------------------------------------
@@ -715,7 +707,7 @@ def test_optimizer_steps_only_at_the_accumulation_boundary(world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_accumulated_gradients_match_plain_pytorch(world):
     ref_losses, ref_state, _ = reference_for("mlp", 2, MICRO_BS * world, grad_accum=3)
-    _assert_matches(list(_accumulation_run(world)), ref_losses, ref_state)
+    assert_matches_reference(list(_accumulation_run(world)), ref_losses, ref_state)
 
 
 # -- 14. data-dependent control flow and prefetch ------------------------------------------------------------------
@@ -736,10 +728,8 @@ def _control_run(world: int) -> tuple:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_forward_that_skips_a_block_on_some_steps_matches_plain_pytorch(world):
-    model = build("skipping")
-    data = feature_batches("skipping", MICRO_BS * world)
-    ref_losses, ref_state, _ = plain_train(model, data, CONTROL_STEPS, step_kwargs=skip_on_steps_2_to_4)
-    _assert_matches(list(_control_run(world)), ref_losses, ref_state)
+    ref = reference_for("skipping", CONTROL_STEPS, MICRO_BS * world, step_kwargs=skip_on_steps_2_to_4)
+    assert_matches_reference(list(_control_run(world)), ref.losses, ref.state)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import batches, ds_config, make_model
+from harness import config
+from toy_models import batches, make_model
 
 import infinity
 from infinity.shards.moments import moment_format
@@ -20,7 +21,9 @@ MICRO_BS = 4
 
 
 def _config(offload: str, moments: str, nvme_path: str) -> dict:
-    cfg = ds_config(micro_bs=MICRO_BS, offload_param=offload, offload_optimizer=offload, nvme_path=nvme_path)
+    cfg = config(
+        micro_bs=MICRO_BS, persistence=64, offload_param=offload, offload_optimizer=offload, nvme_path=nvme_path
+    )
     cfg["optimizer"]["params"]["lr"] = 3e-3
     cfg["zero_optimization"]["offload_optimizer"]["moments"] = moments
     return cfg
@@ -65,9 +68,7 @@ def test_the_swap_holds_the_moment_format_bytes(tmp_path):
     """Per trainable shard on NVMe in fp32: one master/parameter slot (4 B an element) and the moments
     (the format's packed bytes), each rounded up to 4 KiB; gradients take no slot (no accumulation)."""
     for moments in ("fp32", "8bit"):
-        engine, _, _, _ = infinity.initialize(
-            model=make_model("gpt"), config=_config("nvme", moments, str(tmp_path))
-        )
+        engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config("nvme", moments, str(tmp_path)))
         pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
         fmt = moment_format(moments)
         expected = sum(pad(4 * f.shard_numel) for f in engine.flats)

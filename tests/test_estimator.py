@@ -16,6 +16,8 @@ from infinity.estimator import (
 )
 from infinity.models.gpt import count_params, gpt_preset
 
+pytestmark = pytest.mark.unit
+
 P, L = 1_000_000_000, 100_000_000  # parameters, largest block
 GPUS, NODES = 2, 2  # N = 4 ranks: shard S = 2.5e8, block shard B = 2.5e7
 S, B = 250_000_000, 25_000_000

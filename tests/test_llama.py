@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import train_reference
-from test_engine_correctness import assert_weights_close
+from harness import assert_weights_close, reference_train
 
 import infinity
 from infinity.data import ByteBatches, load_corpus
@@ -91,8 +90,8 @@ def test_infinity_trains_llama_like_plain_pytorch(tmp_path, offload):
         losses.append(loss.item())
     state = engine.full_state_dict()
     engine.close()
-    ref_losses, ref_state = train_reference(
-        _model, ByteBatches(load_corpus(), 2, SEQ, seed=0), steps, lr=LR, weight_decay=0.1, grad_clip=1.0
+    ref_losses, ref_state, _ = reference_train(
+        _model, ByteBatches(load_corpus(), 2, SEQ, seed=0), steps, lr=LR, weight_decay=0.1, clip=1.0
     )
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(state, ref_state)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import train_reference
+from harness import reference_train
 
 from infinity.data import ByteBatches, load_corpus
 from infinity.models import GPT, GPT_PRESETS, MLP, Block, MLPLayer, count_params, gpt_preset
@@ -193,9 +193,9 @@ def _mlp() -> MLP:
 def test_reference_accumulating_halves_equals_one_big_batch():
     data = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(3)]
     halves = [(x[i : i + 4], y[i : i + 4]) for x, y in data for i in (0, 4)]
-    kw = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
-    losses_big, state_big = train_reference(_mlp, data, 3, **kw)
-    losses_acc, state_acc = train_reference(_mlp, halves, 3, grad_accum=2, **kw)
+    kw = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
+    losses_big, state_big, _ = reference_train(_mlp, data, 3, **kw)
+    losses_acc, state_acc, _ = reference_train(_mlp, halves, 3, grad_accum=2, **kw)
     torch.testing.assert_close(losses_acc, losses_big)
     for name in state_big:
         torch.testing.assert_close(state_acc[name], state_big[name], rtol=1e-5, atol=1e-6)
@@ -207,8 +207,8 @@ def test_reference_trains_tiny_gpt_in_bf16_close_to_fp32():
         return GPT(TINY)
 
     data = [next(ByteBatches(load_corpus(), 4, TINY.block_size, seed=0)) for _ in range(8)]
-    fp32, _ = train_reference(model_fn, data, 8, lr=3e-3)
-    bf16, state = train_reference(model_fn, data, 8, lr=3e-3, dtype=torch.bfloat16)
+    fp32, _, _ = reference_train(model_fn, data, 8, lr=3e-3, weight_decay=0.0, clip=0.0)
+    bf16, state, _ = reference_train(model_fn, data, 8, lr=3e-3, weight_decay=0.0, clip=0.0, dtype=torch.bfloat16)
     assert fp32[-1] < fp32[0] - 0.3
     assert all(abs(a - b) < 0.05 for a, b in zip(fp32, bf16, strict=True))
     assert all(v.dtype == torch.float32 for v in state.values())

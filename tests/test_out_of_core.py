@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import WEIGHT_DECAY, batches
+from harness import WEIGHT_DECAY, assert_weights_close
 from out_of_core_cases import LR, gpt_config, nvme_config, train_from_init
-from test_engine_correctness import assert_weights_close
+from toy_models import batches
 
 import infinity
 from infinity.models.gpt import GPT

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import batches, ds_config, make_model
+from harness import config
 from torch import nn
+from toy_models import SEQ, batches, make_model
 
 import infinity
 from infinity.comm import CommGroup
 from infinity.config import AioConfig, load_config, resolve_auto, resolve_batch_sizes
+from infinity.models.gpt import GPT, gpt_preset
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import FlatParam
@@ -21,11 +23,15 @@ from infinity.scheduler import BlockScheduler
 from infinity.shards import ShardKind, ShardStore, resolve_placement
 from infinity.storage import Tier, TierBudgets, TierStore
 
+pytestmark = pytest.mark.unit
+
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 
 
 def _placement(clip: float):
-    cfg = ds_config(micro_bs=1, offload_param="nvme", offload_optimizer="nvme", clip=clip, nvme_path="/unused")
+    cfg = config(
+        micro_bs=1, persistence=64, offload_param="nvme", offload_optimizer="nvme", clip=clip, nvme_path="/unused"
+    )
     cfg = resolve_auto(resolve_batch_sizes(load_config(cfg), 1), 64)
     return resolve_placement(cfg, torch.device("cpu"), 1, client_optimizer=False)
 
@@ -145,7 +151,7 @@ def test_parameter_read_ahead_stays_within_its_cap(tmp_path):
 
 @pytest.mark.parametrize("bucket_blocks", [0, 1, 3])
 def test_the_scheduler_holds_at_most_its_declared_gathered_weights(tmp_path, bucket_blocks):
-    cfg = ds_config(micro_bs=1, offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    cfg = config(micro_bs=1, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     full_block = max(b.numel for b in engine.blocks)
     bucket = bucket_blocks * full_block
@@ -162,6 +168,30 @@ def test_the_scheduler_holds_at_most_its_declared_gathered_weights(tmp_path, buc
     engine.close()
 
 
+@pytest.mark.parametrize("bucket_blocks", [2, 3])
+def test_the_scheduler_holds_at_most_its_declared_gathered_weights_with_more_blocks_than_the_bucket(
+    tmp_path, bucket_blocks
+):
+    """Eight blocks, a bucket of two or three: what earlier prefetches left in flight counts against it."""
+    cfg = config(micro_bs=1, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    torch.manual_seed(0)
+    model = GPT(gpt_preset("tiny", bias=False, block_size=SEQ, n_layer=8))
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    full_block = max(b.numel for b in engine.blocks)
+    bucket = bucket_blocks * full_block
+    engine.scheduler.prefetch_bucket_elems = bucket
+    data = batches("gpt", 1)
+    for _ in range(3):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    bound = BlockScheduler.gathered_bytes_bound(full_block, bucket, engine.compute_dtype.itemsize)
+    assert engine.scheduler.prefetches_issued > 0
+    assert 0 < engine.scheduler.gathered_high_water_bytes <= bound
+    engine.close()
+
+
 @pytest.mark.parametrize(
     "dtype,clip,grad_accum,moments", [("fp32", 1.0, 1, "fp32"), ("bf16", 0.0, 1, "8bit"), ("fp32", 0.0, 2, "bf16")]
 )
@@ -172,9 +202,10 @@ def test_the_swap_file_is_sized_to_exactly_what_the_run_writes(tmp_path, dtype, 
 
     from infinity.storage import swap_file_bytes
 
-    cfg = ds_config(
+    cfg = config(
         micro_bs=1,
         grad_accum=grad_accum,
+        persistence=64,
         offload_param="nvme",
         offload_optimizer="nvme",
         dtype=dtype,

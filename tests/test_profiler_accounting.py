@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from infinity.profiler import TraceWriter
 from infinity.profiler.accounting import account
 from infinity.profiler.analysis import summarize, validate
@@ -12,6 +14,8 @@ from infinity.profiler.attribution import attribute_stalls
 from infinity.profiler.report import build_report
 from infinity.profiler.synthetic import SCENARIOS, settings_for, write_scenario
 from infinity.profiler.traces import load_traces
+
+pytestmark = pytest.mark.unit
 
 GB = 1_000_000_000
 

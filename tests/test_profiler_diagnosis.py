@@ -19,6 +19,8 @@ from infinity.profiler.synthetic import SCENARIOS, Scenario, config_for, setting
 from infinity.profiler.traces import load_traces
 from infinity.profiler.verdict import OVERLAP_FEATURE
 
+pytestmark = pytest.mark.unit
+
 Z = "zero_optimization."
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_cases import batches, ds_config, make_model
+from harness import config as harness_config
 from test_profiler_diagnosis import _diagnose, _optimizer_stall_trace
 from torch import nn
+from toy_models import batches, make_model
 
 import infinity
 from infinity.config import load_config
@@ -126,8 +127,9 @@ def _prefetches(tmp_path: Path, param_device: str, bucket: int) -> tuple[int, in
     """(prefetches issued in two steps, the largest block's elements) of the tiny GPT at one rank."""
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
-    cfg = ds_config(micro_bs=2, offload_param=param_device, nvme_path=str(nvme) if param_device == "nvme" else None,
-                    extra_zero={"stage3_prefetch_bucket_size": bucket})  # fmt: skip
+    nvme_path = str(nvme) if param_device == "nvme" else None
+    cfg = harness_config(micro_bs=2, persistence=64, offload_param=param_device, nvme_path=nvme_path,
+                         extra_zero={"stage3_prefetch_bucket_size": bucket})  # fmt: skip
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     try:
         data = batches("gpt", 2)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model
+from harness import config
+from toy_models import batches, make_model
 
 import infinity
 from infinity.profiler import analysis
@@ -19,7 +20,7 @@ def profiled_run(nvme_path: str, trace_dir: str | None) -> dict:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ds_config(micro_bs=2, offload_param="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
+    cfg = config(micro_bs=2, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
     if trace_dir is not None:
         cfg["profiler"] = {"enabled": True, "path": trace_dir, "start_step": 0, "end_step": STEPS - 1}
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)

@@ -12,6 +12,8 @@ from infinity.profiler.analysis import bytes_by_pair, drop_malformed, summarize,
 from infinity.profiler.report import build_report
 from infinity.profiler.traces import load_traces
 
+pytestmark = pytest.mark.unit
+
 MS = 1_000_000
 B = 10**12  # an arbitrary origin: only differences matter
 SETTINGS = {"stage3_prefetch_bucket_size": 50_000_000, "aio": {"block_size": 1 << 20, "queue_depth": 8,

@@ -11,6 +11,8 @@ from infinity.profiler import TraceWriter
 from infinity.profiler.analysis import bytes_by_pair, validate
 from infinity.profiler.traces import load_traces
 
+pytestmark = pytest.mark.unit
+
 storage = pytest.importorskip("infinity.storage")
 config = pytest.importorskip("infinity.config")
 

@@ -24,6 +24,8 @@ from infinity.profiler.synthetic import SCENARIOS, config_for, settings_for
 from infinity.profiler.traces import load_traces
 from infinity.profiler.whatif import check, optimizer_overlap, stalls_removed
 
+pytestmark = pytest.mark.unit
+
 MS = 1_000_000
 MB = 1_000_000
 

@@ -13,8 +13,8 @@ import itertools
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model, mean_over_ranks, reference_run, train_infinity
-from test_engine_correctness import assert_weights_close
+from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank
+from toy_models import batches, make_model
 
 import infinity
 from infinity.config import ConfigError
@@ -24,8 +24,9 @@ MICRO_BS = 2
 
 
 def _stage_config(stage: int, optim: str, dtype: str, grad_accum: int, nvme_path: str, **extra) -> dict:
-    return ds_config(
+    return config(
         micro_bs=MICRO_BS,
+        persistence=64,
         grad_accum=grad_accum,
         offload_optimizer=optim,
         dtype=dtype,
@@ -36,10 +37,14 @@ def _stage_config(stage: int, optim: str, dtype: str, grad_accum: int, nvme_path
 
 
 def _check(world: int, results: list[dict], grad_accum: int, dtype: str) -> None:
-    ref_losses, ref_state = reference_run(
-        "gpt", STEPS, MICRO_BS * world, grad_accum, 1.0, torch.bfloat16 if dtype == "bf16" else torch.float32
+    ref_losses, ref_state, _ = reference_for(
+        "gpt",
+        STEPS,
+        MICRO_BS * world,
+        grad_accum=grad_accum,
+        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
     )
-    assert mean_over_ranks(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
     assert_weights_close(results[0]["state"], ref_state, dtype)
     for other in results[1:]:  # every rank's replicated parameters hold the same weights
         for key, value in results[0]["state"].items():
@@ -55,7 +60,7 @@ MATRIX = [
 @pytest.mark.parametrize("stage,world,optim,dtype,grad_accum", MATRIX)
 def test_stage_matches_plain_pytorch(tmp_path, stage, world, optim, dtype, grad_accum):
     cfg = _stage_config(stage, optim, dtype, grad_accum, str(tmp_path))
-    results = run_distributed(train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
     _check(world, results, grad_accum, dtype)
     assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
 
@@ -86,13 +91,13 @@ def test_stages_one_and_two_keep_parameters_resident_on_every_rank(stage):
 
 
 def test_offloading_parameters_below_stage_three_is_refused_with_the_fix():
-    cfg = ds_config(micro_bs=MICRO_BS, offload_param="cpu", offload_optimizer="cpu", extra_zero={"stage": 2})
+    cfg = config(micro_bs=MICRO_BS, offload_param="cpu", offload_optimizer="cpu", extra_zero={"stage": 2})
     with pytest.raises(ConfigError, match=r"offload_param.device' is 'cpu' with stage 2.*set the stage to 3"):
         infinity.initialize(model=make_model("gpt"), config=cfg)
 
 
 def test_stage_zero_is_refused_naming_ddp():
-    cfg = ds_config(micro_bs=MICRO_BS, extra_zero={"stage": 0})
+    cfg = config(micro_bs=MICRO_BS, extra_zero={"stage": 0})
     with pytest.raises(ConfigError, match="stage' is 0.*DistributedDataParallel"):
         infinity.initialize(model=make_model("gpt"), config=cfg)
 
@@ -152,10 +157,10 @@ def test_a_checkpoint_saved_at_one_stage_loads_at_another(tmp_path, saved, loade
     (stage_a, world_a), (stage_b, world_b) = saved, loaded
     before = run_distributed(train_and_save, world_a, str(tmp_path), stage_a, 2)
     after = run_distributed(load_and_train, world_b, str(tmp_path), stage_b, 2)
-    ref_losses, ref_state = reference_run("gpt", 4, 4, 1, 1.0, torch.float32)
+    ref_losses, ref_state, _ = reference_for("gpt", 4, 4)
     for r in after:
         assert r["steps"] == 4
         assert all(torch.equal(r["loaded"][k], v) for k, v in before[0]["full"].items())
     # the per-rank losses are of each rank's rows: the global loss of a step is their mean
-    assert mean_over_ranks(before) + mean_over_ranks(after) == pytest.approx(ref_losses, rel=1e-5)
+    assert mean_losses(before) + mean_losses(after) == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(after[0]["state"], ref_state)

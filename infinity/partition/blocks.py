@@ -33,9 +33,10 @@ def _choose_block_modules(
         seen_classes: set[str] = set()
         for name, module in model.named_modules():
             cls = type(module).__name__
-            if cls in block_classes and not any(name.startswith(n + ".") for n, _ in chosen) and module is not model:
-                chosen.append((name, module))
-                seen_classes.add(cls)
+            if cls in block_classes and module is not model:
+                seen_classes.add(cls)  # present, even where a block of another listed class holds it
+                if not any(name.startswith(n + ".") for n, _ in chosen):
+                    chosen.append((name, module))
         missing = [c for c in block_classes if c not in seen_classes]
         if missing:
             present = sorted({type(m).__name__ for m in model.modules()})

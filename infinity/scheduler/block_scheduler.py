@@ -183,18 +183,24 @@ class BlockScheduler:
             self.prof.compute(name, start, time.perf_counter_ns())
             self._open_span = None
 
-    def _prefetch(self, upcoming: list[int]) -> None:
+    def _prefetch(self, upcoming: list[int], current: int) -> None:
         """Gather the next blocks within the bucket; read the blocks beyond it ahead into host memory.
 
-        Which blocks are gathered depends only on the trace and the limits, never on timing (such as
-        whether a read has finished), so every rank queues its gathers in the same order.
+        The bucket bounds what is gathered (or on its way) ahead of the block computing, `current`: blocks
+        an earlier prefetch left in flight count against it. Which blocks are gathered depends only on the
+        trace and the limits, never on timing (such as whether a read has finished), so every rank queues
+        its gathers in the same order.
         """
         budget = self.prefetch_bucket_elems
         live = self._live_elems()
         beyond: list[int] = []
+        counted = {current}
         for position, index in enumerate(upcoming):
             block = self.blocks[index]
             if block.state is not BlockState.SHARDED:
+                if block.holds_memory and index not in counted:
+                    counted.add(index)
+                    budget = max(0, budget - block.numel)
                 continue
             # as in DeepSpeed, a non-zero bucket always takes the next block, even one larger than the bucket
             first = 0 < budget == self.prefetch_bucket_elems
@@ -202,6 +208,7 @@ class BlockScheduler:
                 beyond = upcoming[position:]
                 break
             self._start(block)
+            counted.add(index)
             self.prefetches_issued += 1
             self.prof.prefetch(block.name)
             budget = max(0, budget - block.numel)
@@ -247,7 +254,7 @@ class BlockScheduler:
             self._close()
             self._ensure_gathered(block)
             if position is not None:
-                self._prefetch(self.forward_trace.upcoming(position))
+                self._prefetch(self.forward_trace.upcoming(position), block.index)
             self._open(block)
 
         return hook
@@ -286,7 +293,7 @@ class BlockScheduler:
             self._close()
             self._ensure_gathered(block)
             if position is not None:
-                self._prefetch(self.backward_trace.upcoming(position))
+                self._prefetch(self.backward_trace.upcoming(position), block.index)
             self._open(block)
 
         return hook

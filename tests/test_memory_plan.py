@@ -1,0 +1,171 @@
+"""The memory plan: host budgets summed from the bounds each pipeline declares for itself.
+
+Every expected figure is computed from the pipelines' own bound functions (`NativeStepper.host_bytes` and
+`shard_state_bytes`, `BlockScheduler.working_set_bytes`, `ShardStore.gather_host_bytes` and
+`grad_accumulation_bytes`), so the plan is held to what the pipelines say they spend, not to a copy of its
+own arithmetic. The model is the toy mlp: blocks of 408, 600 and 600 elements, the head (200) in the root.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import config, placement_of, resolved
+from toy_models import make_model
+
+from infinity.config import ConfigError
+from infinity.engine.memory_plan import MemoryPlan, largest_shard_elems, plan_memory
+from infinity.optim.steppers import NativeStepper
+from infinity.partition import plan_blocks
+from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
+from infinity.scheduler import BlockScheduler
+from infinity.shards.store import ShardStore
+
+pytestmark = pytest.mark.unit
+
+FP32 = 4
+BUCKET = 3000  # stage3_prefetch_bucket_size: elements
+WINDOW = 4  # offload_optimizer.buffer_count
+HUGE = 1 << 40
+
+
+def _cfg(param: str, optim: str, host_budget: int | None = None, device_budget: int | None = None, **offload) -> dict:
+    cfg = config("mlp", offload_param=param, offload_optimizer=optim, nvme_path="/unused")
+    z = cfg["zero_optimization"]
+    z.update(host_budget_bytes=host_budget, device_budget_bytes=device_budget, stage3_prefetch_bucket_size=BUCKET)
+    z["offload_optimizer"]["buffer_count"] = WINDOW
+    z["offload_param"].update(offload)
+    return cfg
+
+
+def _plan(cfg: dict, world: int = 1) -> MemoryPlan:
+    model = make_model("mlp")
+    blocks = plan_blocks(model, ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
+    return plan_memory(resolved(cfg, world).zero_optimization, blocks, placement_of(cfg, world))
+
+
+def _largest(world: int = 1) -> tuple[int, int, int]:
+    blocks = plan_blocks(make_model("mlp"), ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
+    return largest_shard_elems(blocks, world)
+
+
+@pytest.mark.parametrize("world,largest", [(1, 600 + SHARD_ALIGN_ELEMS), (2, 300 + SHARD_ALIGN_ELEMS)])
+def test_the_largest_shard_allows_for_padding_and_the_root_is_gathered_all_pass(world, largest):
+    assert _largest(world) == (largest, 408 + 600 + 600 + 200, 200)
+
+
+# -- no explicit host budget: the sum of what the pipelines declare -----------------------------------------
+
+
+def test_nvme_everything_without_a_host_budget_is_bounded_by_the_pipelines_declared_needs():
+    largest, _, _ = _largest()
+    plan = _plan(_cfg("nvme", "nvme", buffer_count=5, buffer_size=100_000))
+    read_ahead = 5 * 100_000 * FP32  # offload_param.buffer_count x buffer_size
+    assert plan.param_read_ahead_bytes == read_ahead
+    assert plan.optimizer_window == WINDOW
+    stepper = NativeStepper.host_bytes(WINDOW, largest)
+    assert plan.budgets.host_bytes == read_ahead + ShardStore.grad_accumulation_bytes(largest) + stepper
+
+
+def test_read_ahead_holds_at_least_four_of_the_largest_shards():
+    largest, _, _ = _largest()
+    plan = _plan(_cfg("nvme", "nvme", buffer_count=1, buffer_size=10))
+    assert plan.param_read_ahead_bytes == 4 * largest * FP32
+
+
+def test_parameters_alone_on_nvme_budget_only_their_read_ahead():
+    plan = _plan(_cfg("nvme", "none", buffer_count=5, buffer_size=100_000))
+    assert plan.budgets.host_bytes == plan.param_read_ahead_bytes == 5 * 100_000 * FP32
+
+
+def test_the_optimizer_alone_on_nvme_budgets_its_window_and_the_gradient_accumulation():
+    largest, _, _ = _largest()
+    plan = _plan(_cfg("none", "nvme"))
+    assert plan.param_read_ahead_bytes is None
+    expected = NativeStepper.host_bytes(WINDOW, largest) + ShardStore.grad_accumulation_bytes(largest)
+    assert plan.budgets.host_bytes == expected
+
+
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "cpu"), ("cpu", "nvme"), ("none", "none")])
+def test_host_memory_is_unbounded_where_shards_live_there_or_nothing_is_on_nvme(param, optim):
+    plan = _plan(_cfg(param, optim))
+    assert plan.budgets.host_bytes is None and plan.param_read_ahead_bytes is None
+    assert plan.optimizer_window == WINDOW
+
+
+def test_the_device_budget_passes_through():
+    assert _plan(_cfg("nvme", "nvme", device_budget=12345)).budgets.device_bytes == 12345
+
+
+def test_without_an_explicit_budget_the_computes_working_set_is_not_counted():
+    in_host = _plan(_cfg("nvme", "nvme"))  # a CPU-only machine: the compute reads host memory
+    on_device = _plan(_cfg("nvme", "nvme", device_budget=HUGE))  # a device pool of its own
+    assert placement_of(_cfg("nvme", "nvme")).compute_in_host_memory
+    assert in_host.budgets.host_bytes == on_device.budgets.host_bytes
+
+
+# -- an explicit host budget: the optimizer's window shrinks to fit, read-ahead gets the rest ----------------
+
+
+def _fixed_needs(largest: int, held: int = 0) -> int:
+    """Host bytes the NVMe pipelines need whatever the window: a gather's shards and the gradient sum."""
+    return ShardStore.gather_host_bytes(largest, held, FP32) + ShardStore.grad_accumulation_bytes(largest)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("shards_that_fit", [1, 2, 3])
+def test_the_optimizer_window_shrinks_to_what_the_budget_leaves(world, shards_that_fit):
+    largest, _, _ = _largest(world)
+    state = NativeStepper.shard_state_bytes(largest)
+    budget = _fixed_needs(largest) + shards_that_fit * state + state // 2
+    plan = _plan(_cfg("nvme", "nvme", host_budget=budget, device_budget=HUGE), world)
+    assert plan.optimizer_window == shards_that_fit
+    assert plan.budgets.host_bytes == budget
+    assert plan.param_read_ahead_bytes == budget - ShardStore.grad_accumulation_bytes(largest) - shards_that_fit * state
+    assert plan.param_read_ahead_bytes >= ShardStore.gather_host_bytes(largest, 0, FP32)  # a gather still fits
+
+
+def test_a_large_budget_keeps_the_configured_window_and_gives_the_rest_to_read_ahead():
+    largest, _, _ = _largest()
+    plan = _plan(_cfg("nvme", "nvme", host_budget=HUGE, device_budget=HUGE))
+    state = NativeStepper.shard_state_bytes(largest)
+    assert plan.optimizer_window == WINDOW
+    assert plan.param_read_ahead_bytes == HUGE - ShardStore.grad_accumulation_bytes(largest) - WINDOW * state
+
+
+def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_working_set():
+    largest, _, always_gathered = _largest()
+    in_host = _plan(_cfg("nvme", "nvme", host_budget=HUGE))
+    on_device = _plan(_cfg("nvme", "nvme", host_budget=HUGE, device_budget=HUGE))
+    working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, WINDOW) + always_gathered * FP32
+    assert on_device.param_read_ahead_bytes - in_host.param_read_ahead_bytes == working
+    assert in_host.budgets.host_bytes == HUGE - working  # what the tier store may hold beside the compute
+
+
+# -- too small: an error naming the key and the bytes needed ------------------------------------------------
+
+
+def test_a_budget_below_one_optimizer_shard_is_refused_with_the_bytes_needed():
+    largest, _, _ = _largest()
+    need = _fixed_needs(largest) + NativeStepper.shard_state_bytes(largest)
+    assert _plan(_cfg("nvme", "nvme", host_budget=need, device_budget=HUGE)).optimizer_window == 1
+    key = "'zero_optimization.host_budget_bytes'"
+    with pytest.raises(ConfigError, match=rf"{key} is {need - 1};.*at least {need} bytes"):
+        _plan(_cfg("nvme", "nvme", host_budget=need - 1, device_budget=HUGE))
+
+
+def test_with_the_compute_in_host_memory_the_bytes_needed_include_its_working_set_and_held_shards():
+    largest, total, always_gathered = _largest()
+    held = min(BUCKET, total)  # one rank: the prefetch bucket's shards, held from their fetch to their gather
+    working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, WINDOW) + always_gathered * FP32
+    need = working + _fixed_needs(largest, held) + NativeStepper.shard_state_bytes(largest)
+    assert _plan(_cfg("nvme", "nvme", host_budget=need)).optimizer_window == 1
+    with pytest.raises(ConfigError, match=rf"is {need - 1};.*needs at least {need} bytes.*raise the budget"):
+        _plan(_cfg("nvme", "nvme", host_budget=need - 1))
+
+
+def test_parameters_alone_on_nvme_need_room_for_one_gather():
+    largest, _, _ = _largest()
+    need = ShardStore.gather_host_bytes(largest, 0, FP32)
+    assert _plan(_cfg("nvme", "none", host_budget=need, device_budget=HUGE)).param_read_ahead_bytes == need
+    with pytest.raises(ConfigError, match=rf"at least {need} bytes"):
+        _plan(_cfg("nvme", "none", host_budget=need - 1, device_budget=HUGE))

@@ -1,0 +1,173 @@
+"""The models and data the engine tests train, by kind: `make_model(kind, seed)` and `batches(kind, ...)`.
+
+Every model is built from a seed, so each call gives the same weights (the plain-PyTorch reference builds
+its own copy). GPTs use bias=False: the attention key bias has a mathematically zero gradient, so Adam
+turns its rounding noise into full-size updates and no two implementations agree on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from infinity.data.corpus import ByteBatches, load_corpus
+from infinity.models.gpt import GPT, gpt_preset
+from infinity.models.mlp import MLP, MLPLayer
+
+SEQ = 16
+
+
+class ReusedLayerNet(nn.Module):
+    """One MLPLayer (a block) applied twice per forward, at two depths, with the same weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = MLPLayer(16, 24)
+        self.shared = MLPLayer(24, 24)
+        self.out = MLPLayer(24, 24)
+        self.head = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        h = self.shared(self.shared(self.inp(x)))
+        out = self.head(self.out(h))
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class SharedLinearNet(nn.Module):
+    """One nn.Linear registered in two different blocks (layers.1.fc is layers.2.fc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLPLayer(16, 24), MLPLayer(24, 24), MLPLayer(24, 24), MLPLayer(24, 24)])
+        self.layers[2].fc = self.layers[1].fc
+        self.head = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class ScaledLayer(nn.Module):
+    """A block with buffers used in forward: a fixed per-feature scale, a non-persistent position-id buffer
+    and a running mean of |activation| that forward updates in training mode (as BatchNorm's stats)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, n_out))
+        self.register_buffer("pos_ids", torch.arange(n_out), persistent=False)
+        self.register_buffer("running", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * self.scale + 0.01 * self.pos_ids
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.5).add_(0.5 * h.abs().mean())
+        return F.gelu(h / self.running)
+
+
+class BufferNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ScaledLayer(16, 24), ScaledLayer(24, 24)])
+        self.head = nn.Linear(24, 8)
+        self.register_buffer("out_shift", torch.full((8,), 0.25))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x) + self.out_shift
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class SkippingMLP(MLP):
+    """An MLP whose forward skips layers[1] when asked (`skip=True`): the block order changes between steps."""
+
+    def __init__(self) -> None:
+        super().__init__(in_features=16, hidden=24, out_features=8, n_layers=4)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, skip: bool = False):
+        for i, layer in enumerate(self.layers):
+            if not (skip and i == 1):
+                x = layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class ReentrantCheckpointGPT(GPT):
+    """The tiny GPT with each block under torch.utils.checkpoint(use_reentrant=True): the first forward runs
+    the blocks without autograd, and backward re-runs each block's forward before its backward."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True) if torch.is_grad_enabled() else block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+# mlp4 with layers[1] (a whole block), layers[2].fc.bias (part of a block) and head.bias frozen
+FROZEN = ("layers.1.fc.weight", "layers.1.fc.bias", "layers.2.fc.bias", "head.bias")
+
+GPT_KINDS = {
+    "gpt": {},
+    "gpt_functional_tie": {"tied_head_functional": True},  # wte.weight used through F.linear outside its module
+    "gpt_checkpointed": {"activation_checkpointing": True},
+}
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    """The model `kind` names, its weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    if kind in GPT_KINDS:
+        return GPT(gpt_preset("tiny", bias=False, block_size=SEQ, **GPT_KINDS[kind]))
+    if kind == "gpt_reentrant":  # the same weights as "gpt"
+        return ReentrantCheckpointGPT(gpt_preset("tiny", bias=False, block_size=SEQ))
+    if kind == "mlp":
+        return MLP(in_features=16, hidden=24, out_features=8, n_layers=3)
+    if kind == "mlp_h40":
+        return MLP(in_features=16, hidden=40, out_features=8, n_layers=3)
+    if kind == "mlp4":
+        return MLP(in_features=16, hidden=24, out_features=8, n_layers=4)
+    if kind == "odd":  # 7x13, 5x7 ...: no size divides by 2, nor by the 1024-element shard alignment
+        return MLP(in_features=13, hidden=7, out_features=5, n_layers=3)
+    if kind == "frozen":
+        model = make_model("mlp4", seed)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in FROZEN)
+        return model
+    models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP}
+    return models[kind]()
+
+
+def io_sizes(kind: str) -> tuple[int, int]:
+    return (13, 5) if kind == "odd" else (16, 8)
+
+
+def batches(
+    kind: str, micro_bs: int, seed: int = 0, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic micro-batches for `kind`: bytes of the corpus for GPTs, random regression rows otherwise.
+
+    Rank r's rows of global micro-batch s are rows [r*b, (r+1)*b), so the global batches of world size 1 with
+    `micro_bs` N*b are the ranks' batches concatenated in rank order."""
+    if kind.startswith("gpt"):
+        yield from ByteBatches(load_corpus(), micro_bs, SEQ, seed=seed, rank=rank, world_size=world_size)
+        return
+    n_in, n_out = io_sizes(kind)
+    step = 0
+    while True:
+        gen = torch.Generator().manual_seed(seed * 7919 + step)
+        x = torch.randn(micro_bs * world_size, n_in, generator=gen)
+        y = torch.randn(micro_bs * world_size, n_out, generator=gen)
+        rows = slice(rank * micro_bs, (rank + 1) * micro_bs)
+        yield x[rows].to(dtype), y[rows].to(dtype)
+        step += 1
