@@ -84,9 +84,9 @@ class RecordingSource:
         handle = self.store.fetch_param(flat)
         return _HeldFetch(handle) if index in self.held else handle
 
-    def release_param(self, flat: FlatParam) -> None:
+    def release_param(self, flat: FlatParam, keep: bool = False) -> None:
         self.calls.append(("gathered", self.block_of[flat.name]))  # one rank: the gather is done at its issue
-        self.store.release_param(flat)
+        self.store.release_param(flat, keep)
 
     def read_ahead(self, flats: list[FlatParam]) -> None:
         self.calls.append(("read_ahead", [self.block_of[f.name] for f in flats]))

@@ -24,7 +24,6 @@ pytest_plugins = ["storage_fixtures"]  # disk_dir: a directory on a disk that ta
 
 NUMEL = 3000
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OPTIM_STATE = (ShardKind.MASTER, ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ)
 
 # (world, offload_param, offload_optimizer, dtype): one rank resident or not, homes in memory or on NVMe,
 # the master the parameter shard itself (fp32, one memory) or a shard of its own
@@ -80,6 +79,12 @@ def _read_from_home(store: ShardStore, flat: FlatParam, kind: ShardKind) -> torc
     return store.read(flat, kind)
 
 
+def _moments_from_home(store: ShardStore, flat: FlatParam) -> dict[str, torch.Tensor]:
+    """`read_moments` (fp32 moments here), from the home likewise."""
+    store.tiers.evict(store.key(flat, ShardKind.MOMENTS))
+    return store.read_moments(flat)
+
+
 @pytest.mark.parametrize("world,param,optim,dtype", PLACEMENTS)
 def test_add_keeps_this_ranks_shard_of_the_initial_weights_and_zero_moments(disk_dir, world, param, optim, dtype):
     store = _store(disk_dir, world, param, optim, dtype)
@@ -88,8 +93,8 @@ def test_add_keeps_this_ranks_shard_of_the_initial_weights_and_zero_moments(disk
     mine = _shard(flat, full32)
     assert torch.equal(_read_from_home(store, flat, ShardKind.MASTER), mine)
     assert torch.equal(_read_from_home(store, flat, ShardKind.PARAM), mine.to(DTYPES[dtype]))
-    for kind in (ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ):
-        assert not _read_from_home(store, flat, kind).any()
+    for moment in _moments_from_home(store, flat).values():
+        assert not moment.any()
     store.close()
 
 
@@ -98,12 +103,12 @@ def test_assign_then_read_round_trips_every_kind(disk_dir, world, param, optim, 
     store = _store(disk_dir, world, param, optim, dtype)
     flat, _ = _add(store)
     new, m, v = (torch.randn(flat.shard_numel) for _ in range(3))
-    store.assign(flat, new, moments=(m, v.abs()), step=7)
+    store.assign(flat, new, moments=("fp32", {"exp_avg": m, "exp_avg_sq": v.abs()}), step=7)
     assert torch.equal(_read_from_home(store, flat, ShardKind.MASTER), new)
     assert torch.equal(store.read_weights(flat), new)
     assert torch.equal(_read_from_home(store, flat, ShardKind.PARAM), new.to(DTYPES[dtype]))
-    assert torch.equal(_read_from_home(store, flat, ShardKind.EXP_AVG), m)
-    assert torch.equal(_read_from_home(store, flat, ShardKind.EXP_AVG_SQ), v.abs())
+    moments = _moments_from_home(store, flat)
+    assert torch.equal(moments["exp_avg"], m) and torch.equal(moments["exp_avg_sq"], v.abs())
     assert store.records[flat].step == 7
     if flat.resident:  # the parameters are views of the shard: they see the new weights at once
         assert torch.equal(_shard(flat, flat.full), new.to(DTYPES[dtype]))
@@ -164,7 +169,7 @@ def _native_step(lent, fused: bool) -> None:
         (1, "nvme", "nvme", "bf16", True),  # the native step writes the bf16 weights itself (fused copy-out)
         (2, "nvme", "nvme", "bf16", False),  # the store casts them on give_back
         (2, "none", "nvme", "bf16", True),
-        (1, "nvme", "nvme", "fp32", False),  # the master's host copy is written as the parameter shard
+        (1, "nvme", "nvme", "fp32", False),  # the master is the parameter shard: one NVMe slot
         (2, "cpu", "nvme", "fp32", False),  # the step's new weights go into the host parameter shard
         (1, "cpu", "cpu", "bf16", True),
         (2, "cpu", "cpu", "fp32", False),  # the master is the parameter shard: nothing to publish
@@ -188,8 +193,9 @@ def test_give_back_writes_the_state_home_and_publishes_the_new_weights(disk_dir,
     store.give_back(lent, param_written=fused).finish()
     if optim == "nvme":  # the host copies lent for the step are gone once it is finished
         assert store.tiers.live_bytes(Tier.HOST) == (flat.shard_numel * 4 if param == "cpu" else 0)
-    for kind, expected in zip(OPTIM_STATE, (expected_master, expected_m, expected_v), strict=True):
-        assert torch.equal(_read_from_home(store, flat, kind), expected), kind
+    assert torch.equal(_read_from_home(store, flat, ShardKind.MASTER), expected_master)
+    moments = _moments_from_home(store, flat)
+    assert torch.equal(moments["exp_avg"], expected_m) and torch.equal(moments["exp_avg_sq"], expected_v)
     assert torch.equal(_read_from_home(store, flat, ShardKind.PARAM), expected_master.to(DTYPES[dtype]))
     store.close()
 

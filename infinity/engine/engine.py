@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -146,7 +147,7 @@ class InfinityEngine:
             read_ahead_bytes=memory.param_read_ahead_bytes,
             grad_writes_in_flight=memory.optimizer_window // 2,  # as many as arrivals hold (memory_plan)
         )
-        self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, self.shards, memory.optimizer_window)
+        self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, self.shards, memory.optimizer_window, self.prof)
         self.blocks, self.root, self.persistent = shard_model(model, plan, groups.group_of, self.shards, self.comm)
         self.reducer = GradReducer(self.comm, self.optimizer, self.placement.grad_reduction, self.prof)
 
@@ -210,6 +211,8 @@ class InfinityEngine:
     def forward(self, *args, **kwargs):
         if self.micro_steps % self.gradient_accumulation_steps == 0 and self.scheduler.phase.value == "idle":
             self.prof.begin_step(self.global_steps)
+            for tier in Tier:  # each step's peak is its own
+                self.tiers.reset_high_water(tier)
         self.prof.set_phase("forward")
         return self.module(*args, **kwargs)
 
@@ -241,6 +244,8 @@ class InfinityEngine:
             self._record_live_bytes()
             self._optimizer_step()
             self._record_live_bytes()
+            for tier in Tier:
+                self.prof.peak(tier.value, self.tiers.high_water_bytes(tier))
             self.prof.end_step(self.global_steps - 1)
         self.micro_steps += 1
 
@@ -261,7 +266,10 @@ class InfinityEngine:
         coef = 1.0
         if self.placement.needs_grad_norm:
             norm_sq = self.optimizer.local_grad_norm_sq().to(self.device)
+            start = time.perf_counter_ns()
             self.comm.all_reduce(norm_sq, "gradient norm")
+            if self.comm.world_size > 1:
+                self.prof.collective("all-reduce", "<norm>", norm_sq.element_size(), start, time.perf_counter_ns())
             norm = math.sqrt(norm_sq.item()) / scale if math.isfinite(norm_sq.item()) else math.inf
             self.last_grad_norm = norm
             if self.loss_scaler.update(overflow=not math.isfinite(norm)):

@@ -30,8 +30,10 @@ class ShardedAdam(torch.optim.Optimizer):
         adamw_mode: bool,
         shards: ShardStore,
         window: int = 4,
+        prof=None,
     ) -> None:
-        """`window`: shards the native stepper holds in host memory at once (`offload_optimizer.buffer_count`)."""
+        """`window`: shards the native stepper holds in host memory at once (`offload_optimizer.buffer_count`);
+        `prof`: the trace writer the stepper records its waits and arithmetic into."""
         self.adamw_mode = adamw_mode
         self.shards = shards
         self.step_in_backward = shards.placement.step_in_backward
@@ -39,7 +41,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.stepper: Stepper = (
             TorchFusedStepper(shards, self.hyper, adamw_mode)
             if shards.placement.stepper is StepperKind.TORCH
-            else NativeStepper(shards, self.hyper, adamw_mode, window)
+            else NativeStepper(shards, self.hyper, adamw_mode, window, prof)
         )
 
     # -- gradients -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ behind). With `arrive` it steps a shard as its final gradient arrives, while bac
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -17,6 +18,7 @@ import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.partition.flat_param import FlatParam
+from infinity.profiler.null_writer import NullTraceWriter
 from infinity.shards.moments import moment_format
 from infinity.shards.store import LentShard, Returned, ShardStore
 
@@ -108,11 +110,13 @@ class NativeStepper:
     done), whatever the store's budget; one more shard's worth covers the store's staging.
     """
 
-    def __init__(self, shards: ShardStore, hyper: Hyper, adamw_mode: bool, window: int) -> None:
+    def __init__(self, shards: ShardStore, hyper: Hyper, adamw_mode: bool, window: int, prof=None) -> None:
+        """`prof` records the waits on the store and, in the optimizer phase, each shard's arithmetic."""
         self.shards = shards
         self.hyper = hyper
         self.adamw_mode = adamw_mode
         self.window = max(1, window)
+        self.prof = prof if prof is not None else NullTraceWriter()
         self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
         self.stepped_when_needed = 0  # shards whose deferred step ran when they were next needed (a counter)
         self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
@@ -197,7 +201,15 @@ class NativeStepper:
     def _step_one(
         self, flat: FlatParam, grad: torch.Tensor | None, grad_scale: float, hyper: list[dict[str, Any]] | None = None
     ) -> None:
+        block = flat.name.split("#", 1)[0]
+        start = time.perf_counter_ns()
         lent = self.shards.lend(flat, with_grad=grad is None)
+        fetched = time.perf_counter_ns()
+        # Spans only in the optimizer phase: in forward and backward a step runs inside the scheduler's
+        # hooks, whose compute and stall spans already cover it (spans of a kind must not overlap).
+        in_optimizer_phase = self.prof.phase == "optimizer"
+        if lent.fetched and in_optimizer_phase:  # it waited for reads of its state
+            self.prof.stall(block, start, fetched, "nvme->host")
         try:
             record = self.shards.records[flat]
             record.step += 1
@@ -207,10 +219,19 @@ class NativeStepper:
         except BaseException:
             Returned(self.shards, lent, []).finish()
             raise
+        if in_optimizer_phase:
+            self.prof.compute(block, fetched, time.perf_counter_ns())
         self._returning.append(self.shards.give_back(lent, param_written=written))
         # the shards read ahead on arrival share the window's host memory with those being written
         while len(self._returning) >= max(1, self.window - len(self._arrived)):
-            self._returning.popleft().finish()
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        returned = self._returning.popleft()
+        start = time.perf_counter_ns()
+        returned.finish()
+        if returned.writes and self.prof.phase == "optimizer":
+            self.prof.stall(returned.block, start, time.perf_counter_ns(), "host->nvme")
 
     def _adam(self, lent: LentShard, grad: torch.Tensor, step: int, grad_scale: float, group: dict[str, Any]) -> bool:
         """One native pass; returns whether it also wrote the new compute-dtype weights into `param_out`."""
@@ -238,4 +259,4 @@ class NativeStepper:
 
     def drain(self) -> None:
         while self._returning:
-            self._returning.popleft().finish()
+            self._finish_oldest()

@@ -30,8 +30,9 @@ class ShardSource(Protocol):
     def fetch_param(self, flat: FlatParam) -> ShardFetch:
         """Start bringing this rank's compute-dtype shard of `flat` where gathers read it."""
 
-    def release_param(self, flat: FlatParam) -> None:
-        """The fetched shard has been gathered (the collective that read it is complete)."""
+    def release_param(self, flat: FlatParam, keep: bool = False) -> None:
+        """The fetched shard has been gathered (the collective that read it is complete); `keep`: a copy
+        may stay cached (a backward gather, whose shard the optimizer reads soon)."""
 
     def read_ahead(self, flats: list[FlatParam]) -> None:
         """Start reading these shards from slower tiers into host memory, in order, as far as it fits."""
@@ -60,6 +61,7 @@ class ShardedBlock:
         self.issued_ns = 0  # when the current gather started (its fetches)
         self._fetches: list[tuple[FlatParam, ShardFetch]] = []
         self._works: list[tuple[FlatParam, object]] = []
+        self._keep = False  # whether the gathered shards' copies may stay cached (see issue_gathers)
         self.state = BlockState.UNSHARDED  # the engine shards the flats after building the block
         self.sync_state()
 
@@ -104,10 +106,11 @@ class ShardedBlock:
     def fetched(self) -> bool:
         return all(handle.done() for _, handle in self._fetches)
 
-    def issue_gathers(self, source: ShardSource) -> None:
+    def issue_gathers(self, source: ShardSource, keep: bool = False) -> None:
         """FETCHING -> GATHERING: wait for the fetched shards and issue the all-gathers (a copy at one rank).
 
-        Callers issue blocks in the same order on every rank (collectives must match across ranks)."""
+        Callers issue blocks in the same order on every rank (collectives must match across ranks); `keep`
+        is passed to `release_param`."""
         self._expect(BlockState.FETCHING)
         fetches, self._fetches = self._fetches, []
         works = []
@@ -121,9 +124,10 @@ class ShardedBlock:
                 raise
             fetches.pop(0)
             if work is None:  # done already (one rank): the shard is no longer read
-                source.release_param(flat)
+                source.release_param(flat, keep)
             else:
                 works.append((flat, work))
+        self._keep = keep
         self._works = works
         self.state = BlockState.GATHERING
 
@@ -135,19 +139,20 @@ class ShardedBlock:
             return all(work.is_completed() for _, work in self._works)
         return self.unsharded
 
-    def wait_unshard(self, source: ShardSource) -> None:
-        """Block until the full weights are in place, starting and issuing what was not yet."""
+    def wait_unshard(self, source: ShardSource, keep: bool = False) -> None:
+        """Block until the full weights are in place, starting and issuing what was not yet (`keep`: see
+        `issue_gathers`)."""
         if self.state is BlockState.SHARDED:
             self.start_unshard(source)
         if self.state is BlockState.FETCHING:
-            self.issue_gathers(source)
+            self.issue_gathers(source, keep)
         if self.state is BlockState.GATHERING:
             works, self._works = self._works, []
             for flat, work in works:
                 try:
                     work.wait()
                 finally:
-                    source.release_param(flat)
+                    source.release_param(flat, self._keep)
             self.state = BlockState.UNSHARDED
 
     def reshard(self) -> None:

@@ -121,13 +121,17 @@ class BlockScheduler:
         held = sum(b.gathered_bytes for b in self.blocks if b.holds_memory)
         self.gathered_high_water_bytes = max(self.gathered_high_water_bytes, held)
 
+    def _keep(self) -> bool:
+        """A backward gather's shard copies may stay cached: the optimizer reads those shards next."""
+        return self.phase is Phase.BACKWARD
+
     def _issue_arrived(self) -> None:
         """Issue the gathers of queued blocks whose shards have arrived, in queue order."""
         queue = self._gather_queue
         while queue and (queue[0].state is not BlockState.FETCHING or queue[0].fetched()):
             head = queue.popleft()
             if head.state is BlockState.FETCHING:
-                head.issue_gathers(self.source)
+                head.issue_gathers(self.source, self._keep())
 
     def _issue_all(self) -> None:
         """Issue every queued gather (waiting for their shards). Called before any other collective: each
@@ -137,7 +141,7 @@ class BlockScheduler:
         while self._gather_queue:
             head = self._gather_queue.popleft()
             if head.state is BlockState.FETCHING:
-                head.issue_gathers(self.source)
+                head.issue_gathers(self.source, self._keep())
 
     def _issue_through(self, block: ShardedBlock) -> None:
         """Issue the gathers queued before `block` (waiting for their shards), so `block`'s come next."""
@@ -145,7 +149,7 @@ class BlockScheduler:
         while queue:
             head = queue.popleft()
             if head.state is BlockState.FETCHING:
-                head.issue_gathers(self.source)
+                head.issue_gathers(self.source, self._keep())
             if head is block:
                 return
 
@@ -164,7 +168,7 @@ class BlockScheduler:
         start = time.perf_counter_ns()
         issued = block.issued_ns if in_flight else start
         self._issue_through(block)
-        block.wait_unshard(self.source)
+        block.wait_unshard(self.source, self._keep())
         self._note_gathered()
         end = time.perf_counter_ns()
         self.stall_s += (end - start) / 1e9

@@ -83,11 +83,12 @@ class Returned:
     def __init__(self, store: ShardStore, lent: LentShard, writes: list[MoveHandle]) -> None:
         self._store = store
         self._lent = lent
-        self._writes = writes
+        self.writes = writes
+        self.block = lent.flat.name.split("#", 1)[0]
 
     def finish(self) -> None:
         try:
-            for handle in self._writes:
+            for handle in self.writes:
                 handle.wait()
         finally:
             for key in self._lent.fetched:
@@ -313,14 +314,15 @@ class ShardStore:
             self.param_bytes_fetched += flat.shard_numel * self.placement.compute_dtype.itemsize
         return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from)
 
-    def release_param(self, flat: FlatParam) -> None:
-        """The fetched shard was gathered. A copy in device memory is dropped (it holds only what is in use);
-        a host copy of an NVMe shard stays cached within the host budget, so a later gather or the step of
-        the same shard (one slot, fp32) may find it there instead of reading it again."""
+    def release_param(self, flat: FlatParam, keep: bool = False) -> None:
+        """The fetched shard was gathered; its copy above the home is dropped (memory holds only what is in
+        use), unless `keep` (a backward gather) and the master is this very slot: then a host copy of an
+        NVMe shard stays cached, within the host budget, for the step that reads it a few blocks later."""
         key = self.key(flat, ShardKind.PARAM)
         p = self.placement
         self.tiers.release(key, p.gather_from)
-        if p.gather_from is Tier.DEVICE and p.param_home is not Tier.DEVICE:
+        kept = keep and p.master_is_param and p.param_home is Tier.NVME and p.gather_from is Tier.HOST
+        if p.param_home is not Tier.DEVICE and not kept:
             self.tiers.evict(key)
 
     def read_ahead(self, flats: Iterable[FlatParam]) -> None:

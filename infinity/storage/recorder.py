@@ -64,3 +64,13 @@ class MoveCounter:
             self.bytes[pair] = self.bytes.get(pair, 0) + event.nbytes
         if self._forward is not None:
             self._forward.record(event)
+
+    def live(self, tier: str, nbytes: int, t_ns: int) -> None:
+        """A tier's live bytes after a change (forwarded where the receiver records levels)."""
+        if hasattr(self._forward, "live"):
+            self._forward.live(tier, nbytes, t_ns)
+
+    def held(self, tier: str, holder: str, nbytes: int, t_ns: int) -> None:
+        """Of a tier's live bytes, those held for `holder` after a change (forwarded likewise)."""
+        if hasattr(self._forward, "held"):
+            self._forward.held(tier, holder, nbytes, t_ns)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -25,6 +26,14 @@ from infinity.storage.errors import StorageError, SwapFileChangedError, SwapFile
 from infinity.storage.moves import Completer, Copy, MoveHandle, Shard, Tier, TierBudgets
 from infinity.storage.nvme_file import NvmeFile
 from infinity.storage.recorder import MoveEvent, Recorder
+
+_HOLDERS = {"param": "param", "master": "optimizer", "moments": "optimizer", "grad": "grad"}
+
+
+def holder_of(key: Hashable) -> str:
+    """What a key's bytes are for, from its last item ((flat, "param"), (flat, "moments"), ...): the
+    profiler's holders "param", "optimizer", "grad", or "other"."""
+    return _HOLDERS.get(key[-1], "other") if isinstance(key, tuple) and key else "other"
 
 
 class TierMover:
@@ -48,6 +57,9 @@ class TierMover:
         self.device = torch.device(device)
         self.budgets = budgets
         self._recorder = recorder
+        self._holders: dict[tuple[Tier, int], tuple[str, int]] = {}  # (tier, data_ptr) -> (holder, bytes)
+        self._held: dict[tuple[Tier, str], int] = {}
+        self._held_lock = threading.Lock()
         self._lock = RLock()
         self._shards: dict[Hashable, Shard] = {}
         # Unreferenced copies above their home, least recently used first: what reclaim may free.
@@ -98,7 +110,7 @@ class TierMover:
             staged = self._load(key, Tier.HOST, wait, prefetched=False, hold=True)
             if staged is None:
                 return None
-        buf = self._alloc(tier, shard.nbytes, wait)
+        buf = self._alloc(tier, shard.nbytes, wait, holder_of(key))
         with self._lock:
             # Meanwhile another thread may have loaded the copy, dropped the key, or freed the host copy
             # a device copy must come from (NVMe reads land in aligned host buffers only).
@@ -109,7 +121,7 @@ class TierMover:
             )
             if buf is None or raced:
                 if buf is not None:
-                    self._mem[tier].release(buf)
+                    self._release(tier, buf)
                 if staged is not None:
                     self._unref(shard, staged)
                 if self._shards.get(key) is not shard:
@@ -234,7 +246,7 @@ class TierMover:
             shard.lost = error if shard.home is Tier.NVME else None
             shard.nvme_crc = crc
             if staging is not None:
-                self._mem[Tier.HOST].release(staging)
+                self._release(Tier.HOST, staging)
             if source is not None:
                 self._unref(shard, source)
             if shard.write_op is op:
@@ -287,14 +299,38 @@ class TierMover:
 
     # ---- memory: allocate, reclaim, free ------------------------------------------------------------
 
-    def _alloc(self, tier: Tier, nbytes: int, wait: bool) -> torch.Tensor | None:
+    def _alloc(self, tier: Tier, nbytes: int, wait: bool, holder: str = "staging") -> torch.Tensor | None:
+        """A buffer on `tier`, accounted to `holder` (`holder_of(key)` for a key's copy; "staging" else)."""
         mem = self._mem[tier]
         if wait:
-            return mem.acquire(nbytes)  # reclaims through the hook, then waits
-        while True:
-            buf = mem.acquire(nbytes, wait=False)
-            if buf is not None or not self._reclaim(tier, demand=False):
-                return buf
+            buf = mem.acquire(nbytes)  # reclaims through the hook, then waits
+        else:
+            while True:
+                buf = mem.acquire(nbytes, wait=False)
+                if buf is not None or not self._reclaim(tier, demand=False):
+                    break
+        if buf is not None:
+            self._hold(tier, holder, buf, mem._footprint(nbytes))
+        return buf
+
+    def _release(self, tier: Tier, buf: torch.Tensor) -> None:
+        """Give a buffer `_alloc` returned back to its tier."""
+        entry = self._holders.pop((tier, buf.data_ptr()), None)
+        if entry is not None:
+            self._hold(tier, entry[0], None, -entry[1])
+        self._mem[tier].release(buf)
+
+    def _hold(self, tier: Tier, holder: str, buf: torch.Tensor | None, nbytes: int) -> None:
+        """Account `nbytes` (negative: given back) to `holder` on `tier`; tell the recorder the new levels."""
+        with self._held_lock:
+            if buf is not None:
+                self._holders[(tier, buf.data_ptr())] = (holder, nbytes)
+            held = self._held[(tier, holder)] = self._held.get((tier, holder), 0) + nbytes
+        recorder = self._recorder
+        if recorder is not None and hasattr(recorder, "held"):
+            t = time.perf_counter_ns()
+            recorder.live(tier.value, self._mem[tier].live_bytes, t)
+            recorder.held(tier.value, holder, held, t)
 
     def _reclaim(self, tier: Tier, demand: bool) -> bool:
         """Free the least recently used cached copy on `tier`; a prefetched one only for a demand, and last."""
@@ -335,7 +371,7 @@ class TierMover:
         copy.finish = None
         if self._idle[copy.tier].get(shard.key) is copy:
             del self._idle[copy.tier][shard.key]
-        self._mem[copy.tier].release(copy.buf)
+        self._release(copy.tier, copy.buf)
 
     def _free_shard(self, shard: Shard) -> None:
         for copy in list(shard.copies.values()):

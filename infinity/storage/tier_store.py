@@ -21,7 +21,7 @@ from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, Offl
 from infinity.storage.buffer_pool import aligned_view, copy_bytes, round_up
 from infinity.storage.moves import RANK, Copy, FetchHandle, MoveHandle, Shard, Tier, TierBudgets
 from infinity.storage.recorder import Recorder
-from infinity.storage.tier_moves import TierMover
+from infinity.storage.tier_moves import TierMover, holder_of
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,8 @@ class TierStore(TierMover):
                     staging = self._alloc(Tier.HOST, shard.nbytes, wait=True)
                     copy_bytes(staging[: shard.nbytes], flat)
             else:
-                shard.copies[home] = Copy(home, self._alloc(home, shard.nbytes, wait=True), home=True)
+                buf = self._alloc(home, shard.nbytes, wait=True, holder=holder_of(key))
+                shard.copies[home] = Copy(home, buf, home=True)
             with self._lock:  # registered and written in one step: no one sees the key before its write
                 if key in self._shards:
                     raise KeyError(f"{key!r} was stored by another thread meanwhile")
@@ -151,7 +152,7 @@ class TierStore(TierMover):
             raise
         finally:
             if staging is not None:
-                self._mem[Tier.HOST].release(staging)
+                self._release(Tier.HOST, staging)
 
     def fetch(self, key: Hashable, tier: Tier | str) -> FetchHandle:
         """Start bringing `key` to "device" or "host"; the handle's wait() gives the tensor there.
@@ -221,11 +222,11 @@ class TierStore(TierMover):
                     staging = self._alloc(Tier.HOST, shard.nbytes, wait=True)
                     copy_bytes(staging[: shard.nbytes], flat)
                 else:
-                    self._mem[Tier.HOST].release(staging)
+                    self._release(Tier.HOST, staging)
                     staging = None
         finally:
             if staging is not None:
-                self._mem[Tier.HOST].release(staging)
+                self._release(Tier.HOST, staging)
 
     def prefetch(self, keys: Iterable[Hashable], tier: Tier | str) -> list[Hashable]:
         """Start loading `keys` to `tier` in order, holding no references, while they fit without waiting.
