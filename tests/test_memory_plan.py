@@ -13,7 +13,7 @@ from harness import config, placement_of, resolved
 from toy_models import make_model
 
 from infinity.config import ConfigError
-from infinity.engine.memory_plan import MemoryPlan, largest_shard_elems, plan_memory
+from infinity.engine.memory_plan import MemoryPlan, largest_flat_shard_elems, largest_shard_elems, plan_memory
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import plan_blocks
 from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
@@ -48,6 +48,12 @@ def _largest(world: int = 1) -> tuple[int, int, int]:
     return largest_shard_elems(blocks, world)
 
 
+def _optim(world: int = 1, sub_group_elems: int = 10**9) -> int:
+    """The optimizer's unit: the largest flat's shard (flats are sub-groups of `sub_group_size` at most)."""
+    blocks = plan_blocks(make_model("mlp"), ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
+    return largest_flat_shard_elems(blocks, {}, world, sub_group_elems)
+
+
 @pytest.mark.parametrize("world,largest", [(1, 600 + SHARD_ALIGN_ELEMS), (2, 300 + SHARD_ALIGN_ELEMS)])
 def test_the_largest_shard_allows_for_padding_and_the_root_is_gathered_all_pass(world, largest):
     assert _largest(world) == (largest, 408 + 600 + 600 + 200, 200)
@@ -62,8 +68,8 @@ def test_nvme_everything_without_a_host_budget_is_bounded_by_the_pipelines_decla
     read_ahead = 5 * 100_000 * FP32  # offload_param.buffer_count x buffer_size
     assert plan.param_read_ahead_bytes == read_ahead
     assert plan.optimizer_window == WINDOW
-    stepper = NativeStepper.host_bytes(WINDOW, largest)
-    assert plan.budgets.host_bytes == read_ahead + ShardStore.grad_accumulation_bytes(largest) + stepper
+    stepper = NativeStepper.host_bytes(WINDOW, _optim())
+    assert plan.budgets.host_bytes == read_ahead + ShardStore.grad_accumulation_bytes(_optim()) + stepper
 
 
 def test_read_ahead_holds_at_least_four_of_the_largest_shards():
@@ -81,7 +87,7 @@ def test_the_optimizer_alone_on_nvme_budgets_its_window_and_the_gradient_accumul
     largest, _, _ = _largest()
     plan = _plan(_cfg("none", "nvme"))
     assert plan.param_read_ahead_bytes is None
-    expected = NativeStepper.host_bytes(WINDOW, largest) + ShardStore.grad_accumulation_bytes(largest)
+    expected = NativeStepper.host_bytes(WINDOW, _optim()) + ShardStore.grad_accumulation_bytes(_optim())
     assert plan.budgets.host_bytes == expected
 
 
@@ -106,30 +112,30 @@ def test_without_an_explicit_budget_the_computes_working_set_is_not_counted():
 # -- an explicit host budget: the optimizer's window shrinks to fit, read-ahead gets the rest ----------------
 
 
-def _fixed_needs(largest: int, held: int = 0) -> int:
+def _fixed_needs(largest: int, optim: int, held: int = 0) -> int:
     """Host bytes the NVMe pipelines need whatever the window: a gather's shards and the gradient sum."""
-    return ShardStore.gather_host_bytes(largest, held, FP32) + ShardStore.grad_accumulation_bytes(largest)
+    return ShardStore.gather_host_bytes(largest, held, FP32) + ShardStore.grad_accumulation_bytes(optim)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("shards_that_fit", [1, 2, 3])
 def test_the_optimizer_window_shrinks_to_what_the_budget_leaves(world, shards_that_fit):
     largest, _, _ = _largest(world)
-    state = NativeStepper.shard_state_bytes(largest)
-    budget = _fixed_needs(largest) + shards_that_fit * state + state // 2
+    optim = _optim(world)
+    state = NativeStepper.shard_state_bytes(optim)
+    budget = _fixed_needs(largest, optim) + shards_that_fit * state + state // 2
     plan = _plan(_cfg("nvme", "nvme", host_budget=budget, device_budget=HUGE), world)
     assert plan.optimizer_window == shards_that_fit
     assert plan.budgets.host_bytes == budget
-    assert plan.param_read_ahead_bytes == budget - ShardStore.grad_accumulation_bytes(largest) - shards_that_fit * state
+    assert plan.param_read_ahead_bytes == budget - ShardStore.grad_accumulation_bytes(optim) - shards_that_fit * state
     assert plan.param_read_ahead_bytes >= ShardStore.gather_host_bytes(largest, 0, FP32)  # a gather still fits
 
 
 def test_a_large_budget_keeps_the_configured_window_and_gives_the_rest_to_read_ahead():
-    largest, _, _ = _largest()
     plan = _plan(_cfg("nvme", "nvme", host_budget=HUGE, device_budget=HUGE))
-    state = NativeStepper.shard_state_bytes(largest)
+    state = NativeStepper.shard_state_bytes(_optim())
     assert plan.optimizer_window == WINDOW
-    assert plan.param_read_ahead_bytes == HUGE - ShardStore.grad_accumulation_bytes(largest) - WINDOW * state
+    assert plan.param_read_ahead_bytes == HUGE - ShardStore.grad_accumulation_bytes(_optim()) - WINDOW * state
 
 
 def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_working_set():
@@ -146,7 +152,7 @@ def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_work
 
 def test_a_budget_below_one_optimizer_shard_is_refused_with_the_bytes_needed():
     largest, _, _ = _largest()
-    need = _fixed_needs(largest) + NativeStepper.shard_state_bytes(largest)
+    need = _fixed_needs(largest, _optim()) + NativeStepper.shard_state_bytes(_optim())
     assert _plan(_cfg("nvme", "nvme", host_budget=need, device_budget=HUGE)).optimizer_window == 1
     key = "'zero_optimization.host_budget_bytes'"
     with pytest.raises(ConfigError, match=rf"{key} is {need - 1};.*at least {need} bytes"):
@@ -157,7 +163,7 @@ def test_with_the_compute_in_host_memory_the_bytes_needed_include_its_working_se
     largest, total, always_gathered = _largest()
     held = min(BUCKET, total)  # one rank: the prefetch bucket's shards, held from their fetch to their gather
     working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, WINDOW) + always_gathered * FP32
-    need = working + _fixed_needs(largest, held) + NativeStepper.shard_state_bytes(largest)
+    need = working + _fixed_needs(largest, _optim(), held) + NativeStepper.shard_state_bytes(_optim())
     assert _plan(_cfg("nvme", "nvme", host_budget=need)).optimizer_window == 1
     with pytest.raises(ConfigError, match=rf"is {need - 1};.*needs at least {need} bytes.*raise the budget"):
         _plan(_cfg("nvme", "nvme", host_budget=need - 1))
@@ -169,3 +175,20 @@ def test_parameters_alone_on_nvme_need_room_for_one_gather():
     assert _plan(_cfg("nvme", "none", host_budget=need, device_budget=HUGE)).param_read_ahead_bytes == need
     with pytest.raises(ConfigError, match=rf"at least {need} bytes"):
         _plan(_cfg("nvme", "none", host_budget=need - 1, device_budget=HUGE))
+
+
+def test_sub_group_size_makes_the_optimizer_stream_smaller_pieces():
+    """`sub_group_size` splits each block's flats at parameter boundaries: the optimizer's unit, and so its
+    window's host memory, shrinks (the tiny GPT's blocks of ~12k elements, in pieces of at most 4096)."""
+    cfg = config("gpt", offload_optimizer="nvme", nvme_path="/unused")
+    gpt = plan_blocks(make_model("gpt"), ("Block",), block_size_elems=1, persistence_threshold=0)
+    whole, pieces = (largest_flat_shard_elems(gpt, {}, 1, n) for n in (10**9, 4096))
+    assert pieces < whole
+    plans = []
+    for sub_group in (10**9, 4096):
+        cfg["zero_optimization"]["sub_group_size"] = sub_group
+        plans.append(plan_memory(resolved(cfg).zero_optimization, gpt, placement_of(cfg)))
+    for plan, unit in zip(plans, (whole, pieces), strict=True):
+        expected = NativeStepper.host_bytes(4, unit) + ShardStore.grad_accumulation_bytes(unit)
+        assert plan.budgets.host_bytes == expected
+    assert plans[1].budgets.host_bytes < plans[0].budgets.host_bytes

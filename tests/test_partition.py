@@ -229,7 +229,7 @@ def _sharded(directory, offload_param: str = "nvme") -> tuple[ShardedBlock, dict
     store = ShardStore(TierStore(str(directory), AioConfig(), TierBudgets()), placement, ONE_RANK)
     plan = plan_blocks(model, ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
     group_of = {id(model.layers[0].fc.weight): 0, id(model.layers[0].fc.bias): 1}
-    blocks, _, _ = shard_model(model, plan, group_of, store, ONE_RANK)
+    blocks, _, _ = shard_model(model, plan, group_of, store, ONE_RANK, sub_group_elems=10**9)
     return blocks[0], weights, store
 
 

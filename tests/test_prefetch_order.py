@@ -167,7 +167,7 @@ def _run(
     model = Chain(sizes)
     plan = plan_blocks(model, ("Step",), 0, 0)
     group_of = {id(p): 0 for p in model.parameters()} if trainable else {}
-    blocks, root, persistent = shard_model(model, plan, group_of, store, comm)
+    blocks, root, persistent = shard_model(model, plan, group_of, store, comm, sub_group_elems=10**9)
     source = RecordingSource(store, {f.name: b.index for b in blocks for f in b.flats}, held)
 
     def drop_grads(block: ShardedBlock) -> None:

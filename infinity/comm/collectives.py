@@ -66,25 +66,30 @@ class CommGroup:
             raise self._fail("all-gather", what, exc) from exc
         return _Work(work, lambda exc: self._fail("all-gather", what, exc)) if work is not None else None
 
-    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
-        """Write into `shard` this rank's slice of the mean of `full` over ranks."""
+    def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+        """Write into `shard` this rank's slice of the sum of `full` over ranks; a work handle if `async_op`
+        (keep both buffers alive until it is waited for), else None."""
         if not self.distributed:
             shard.copy_(full)
-            return
+            return None
         try:
-            _reduce_scatter_flat(shard, full, group=self.group)
+            work = _reduce_scatter_flat(shard, full, group=self.group, async_op=async_op)
         except Exception as exc:
             raise self._fail("reduce-scatter", what, exc) from exc
-        shard.div_(self.world_size)
+        return _Work(work, lambda exc: self._fail("reduce-scatter", what, exc)) if work is not None else None
 
-    def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`."""
-        if self.distributed:
-            red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-            try:
-                dist.all_reduce(tensor, op=red, group=self.group)
-            except Exception as exc:
-                raise self._fail("all-reduce", what, exc) from exc
+    def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False):
+        """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`, or with `async_op` a work handle
+        (None with one rank)."""
+        if not self.distributed:
+            return None if async_op else tensor
+        red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        try:
+            work = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
+        except Exception as exc:
+            raise self._fail("all-reduce", what, exc) from exc
+        if async_op:
+            return _Work(work, lambda exc: self._fail("all-reduce", what, exc))
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:

@@ -54,6 +54,11 @@ class InfinityConfig:
     gradient_predivide_factor: float = option(1.0, min_value=0.0)
     zero_allow_untested_optimizer: bool = option(False)
     seed: int = option(1234)
+    communication_data_type: str | None = option(
+        None,
+        choices=(None, "fp32", "fp16", "bf16"),
+        doc="dtype gradients are reduced in across ranks (then summed in fp32); null: the compute dtype",
+    )
 
     def __post_init__(self) -> None:
         if self.fp16.enabled is True and self.bf16.enabled is True:

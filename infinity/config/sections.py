@@ -53,8 +53,12 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = option(None)
     pin_memory: bool = option(False)
     buffer_count: int = option(4, min_value=1)
-    pipeline_read: bool = option(False)
-    pipeline_write: bool = option(False)
+    pipeline_read: bool = option(
+        True, doc="read the next shards' optimizer state while one is stepped (false: each when it is stepped)"
+    )
+    pipeline_write: bool = option(
+        True, doc="write a stepped shard's state back while the next is stepped (false: wait for each write)"
+    )
     fast_init: bool = option(False)
     ratio: float = option(1.0, min_value=0.0, max_value=1.0)
     moments: str = option(

@@ -133,8 +133,8 @@ class InfinityEngine:
 
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-        memory = plan_memory(z, plan, self.placement)
-        homes = home_bytes(plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps)
+        memory = plan_memory(z, plan, self.placement, groups.group_of)
+        homes = home_bytes(plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps, z.sub_group_size)
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
         self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
@@ -147,9 +147,26 @@ class InfinityEngine:
             read_ahead_bytes=memory.param_read_ahead_bytes,
             grad_writes_in_flight=memory.optimizer_window // 2,  # as many as arrivals hold (memory_plan)
         )
-        self.optimizer = ShardedAdam(groups.groups, groups.adamw_mode, self.shards, memory.optimizer_window, self.prof)
-        self.blocks, self.root, self.persistent = shard_model(model, plan, groups.group_of, self.shards, self.comm)
-        self.reducer = GradReducer(self.comm, self.optimizer, self.placement.grad_reduction, self.prof)
+        self.optimizer = ShardedAdam(
+            groups.groups,
+            groups.adamw_mode,
+            self.shards,
+            memory.optimizer_window,
+            self.prof,
+            pipeline=(z.offload_optimizer.pipeline_read, z.offload_optimizer.pipeline_write),
+        )
+        self.blocks, self.root, self.persistent = shard_model(
+            model, plan, groups.group_of, self.shards, self.comm, z.sub_group_size
+        )
+        self.reducer = GradReducer(
+            self.comm,
+            self.optimizer,
+            self.placement.grad_reduction,
+            self.placement.reduce_dtype,
+            overlap=z.overlap_comm,
+            bucket_elems=z.reduce_bucket_size,
+            prof=self.prof,
+        )
 
         self._client_optimizer = optimizer
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
@@ -236,6 +253,7 @@ class InfinityEngine:
         self._record_live_bytes()
         scaled.backward()
         self.scheduler.finish_backward()
+        self.reducer.flush()
 
     def step(self) -> None:
         """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
@@ -259,6 +277,7 @@ class InfinityEngine:
                 dst[key] = src[key]
 
     def _optimizer_step(self) -> None:
+        self.reducer.flush()  # reductions still in flight (a backward run without engine.backward)
         if self._client_is_truth:
             self._sync_hyperparameters(into_client=False)
         clip = self.config.gradient_clipping
@@ -279,7 +298,7 @@ class InfinityEngine:
             coef = ShardedAdam.clip_coefficient(norm, clip)
         self.optimizer.step(grad_scale=coef / scale, order=self._forward_order())
         self.optimizer.zero_grad()
-        share_updated_partitions(self.shards, self.prof)
+        share_updated_partitions(self.shards, self.config.zero_optimization.allgather_bucket_size, self.prof)
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

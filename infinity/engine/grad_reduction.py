@@ -4,6 +4,8 @@ parameters (stages 1-2), the updated partitions back to every rank."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -11,23 +13,53 @@ from infinity.comm import CommGroup
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition import FlatParam
 from infinity.partition.sharded_block import ShardedBlock
-from infinity.shards import GradReduction, ShardStore
+from infinity.shards import GradReduction, ShardKind, ShardStore
+
+
+@dataclass
+class _InFlight:
+    """A reduction issued and not yet handed to the optimizer."""
+
+    flat: FlatParam
+    block: str
+    shard: torch.Tensor  # this rank's slice of the sum (a view of `full` for an all-reduce)
+    full: torch.Tensor  # the input: kept alive until the collective is done
+    work: object | None
+    final: bool
+    start_ns: int
 
 
 class GradReducer:
     """Reduces each block's gradients into this rank's optimizer shards as its backward ends.
 
-    Stages 2-3 reduce-scatter; stage 1 all-reduces and keeps this rank's slice (twice the bytes of a
-    reduce-scatter for the same result: stage 2 is the better choice where a config allows it). Both
-    reduce every micro-batch, so micro-batches are summed in the order plain PyTorch sums them. With one
+    Gradients cross ranks in `reduce_dtype` (`communication_data_type`; the compute dtype by default, as
+    DeepSpeed), and the optimizer sums them in fp32. Stages 2-3 reduce-scatter; stage 1 all-reduces and
+    keeps this rank's slice (twice the bytes of a reduce-scatter for the same result: stage 2 is the better
+    choice where a config allows it). Both reduce every micro-batch, so micro-batches are summed in the
+    order plain PyTorch sums them. With `overlap` (`overlap_comm`) the collectives run while backward goes
+    on, at most `bucket_elems` (`reduce_bucket_size`) elements in flight; `flush()` ends them. With one
     rank the gradients are this rank's shard already: the one place that knows it, so they go to the
     accumulator in one pass."""
 
-    def __init__(self, comm: CommGroup, optimizer: ShardedAdam, reduction: GradReduction, prof) -> None:
+    def __init__(
+        self,
+        comm: CommGroup,
+        optimizer: ShardedAdam,
+        reduction: GradReduction,
+        reduce_dtype: torch.dtype,
+        overlap: bool,
+        bucket_elems: int,
+        prof,
+    ) -> None:
         self.comm = comm
         self.optimizer = optimizer
         self.reduction = reduction
+        self.reduce_dtype = reduce_dtype
+        self.overlap = overlap
+        self.bucket_elems = bucket_elems
         self.prof = prof
+        self._in_flight: deque[_InFlight] = deque()
+        self._in_flight_elems = 0
 
     def reduce_block(self, block: ShardedBlock, final: bool) -> None:
         """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step."""
@@ -36,36 +68,80 @@ class GradReducer:
                 continue
             if self.comm.world_size == 1:
                 self.optimizer.accumulate_local_grads(flat, final)
-            else:
-                self.optimizer.accumulate_grad(flat, self._reduce(block.name, flat), final)
+                flat.clear_grads()
+                continue
+            self._issue(block.name, flat, final)
             flat.clear_grads()
+            while self._in_flight and (not self.overlap or self._in_flight_elems > self.bucket_elems):
+                self._complete_oldest()
 
-    def _reduce(self, block_name: str, flat: FlatParam) -> torch.Tensor:
-        """This rank's shard of the mean of every rank's gradients of `flat` (fp32)."""
-        full = flat.flat_grad()
-        if full is None:  # every rank joins the collective, with or without gradients
-            full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=flat.full.device)
+    def flush(self) -> None:
+        """Wait for every reduction in flight and hand its gradients to the optimizer."""
+        while self._in_flight:
+            self._complete_oldest()
+
+    def _issue(self, block_name: str, flat: FlatParam, final: bool) -> None:
+        device = flat.full.device
+        full = torch.empty(flat.padded_numel, dtype=self.reduce_dtype, device=device)
+        if flat.flat_grad(full) is None:  # every rank joins the collective, with or without gradients
+            full.zero_()
         start = time.perf_counter_ns()
+        what = f"gradients of {flat.name}"
         if self.reduction is GradReduction.REDUCE_SCATTER:
-            shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=full.device)
-            self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
+            shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=device)
+            work = self.comm.reduce_scatter_sum(shard, full, what, async_op=self.overlap)
         else:
             begin, end = flat.shard_range
-            shard = self.comm.all_reduce(full, f"gradients of {flat.name}")[begin:end].div_(self.comm.world_size)
-        self.prof.collective(self.reduction.value, block_name, full.numel() * 4, start, time.perf_counter_ns())
-        return shard
+            work = None
+            if self.overlap:
+                work = self.comm.all_reduce(full, what, async_op=True)
+            else:
+                self.comm.all_reduce(full, what)
+            shard = full[begin:end]
+        self._in_flight.append(_InFlight(flat, block_name, shard, full, work, final, start))
+        self._in_flight_elems += full.numel()
+
+    def _complete_oldest(self) -> None:
+        job = self._in_flight.popleft()
+        self._in_flight_elems -= job.full.numel()
+        if job.work is not None:
+            job.work.wait()
+        nbytes = job.full.numel() * job.full.element_size()
+        self.prof.collective(self.reduction.value, job.block, nbytes, job.start_ns, time.perf_counter_ns())
+        self.optimizer.accumulate_grad(job.flat, job.shard.div_(self.comm.world_size), job.final)
 
 
 @torch.no_grad()
-def share_updated_partitions(shards: ShardStore, prof) -> None:
+def share_updated_partitions(shards: ShardStore, bucket_elems: int, prof) -> None:
     """Replicated parameters (stages 1-2, several ranks): each rank stepped its own range of every flat;
-    all-gather the ranges so every rank's parameters hold the new weights (in the compute dtype)."""
+    all-gather the ranges so every rank's parameters hold the new weights (in the compute dtype).
+
+    Flats are gathered in buckets of up to `bucket_elems` elements (`allgather_bucket_size`): one
+    collective per bucket, its output scattered into each flat's full buffer."""
     if not shards.placement.params_resident or shards.comm.world_size == 1:
         return
-    for flat in shards.flats:
-        if flat.requires_grad:
-            start = time.perf_counter_ns()
-            shards.sync_resident(flat)
-            prof.collective(
-                "all-gather", flat.name, flat.full.numel() * flat.full.element_size(), start, time.perf_counter_ns()
-            )
+    bucket: list = []
+    for flat in [f for f in shards.flats if f.requires_grad]:
+        if bucket and sum(f.padded_numel for f in bucket) + flat.padded_numel > bucket_elems:
+            _gather_bucket(shards, bucket, prof)
+            bucket = []
+        bucket.append(flat)
+    if bucket:
+        _gather_bucket(shards, bucket, prof)
+
+
+def _gather_bucket(shards: ShardStore, flats: list[FlatParam], prof) -> None:
+    comm, start = shards.comm, time.perf_counter_ns()
+    if len(flats) == 1:  # no bucket: straight into the flat's own buffer
+        shards.sync_resident(flats[0])
+    else:
+        mine = torch.cat([shards.shard_view(f, ShardKind.PARAM) for f in flats])
+        gathered = torch.empty(mine.numel() * comm.world_size, dtype=mine.dtype, device=mine.device)
+        comm.all_gather(gathered, mine, f"updated weights of {len(flats)} flats from {flats[0].name}")
+        per_rank = gathered.view(comm.world_size, mine.numel())
+        offset = 0
+        for flat in flats:  # flat.full is [rank 0's shard | rank 1's | ...]
+            flat.full.view(comm.world_size, flat.shard_numel).copy_(per_rank[:, offset : offset + flat.shard_numel])
+            offset += flat.shard_numel
+    nbytes = sum(f.full.numel() * f.full.element_size() for f in flats)
+    prof.collective("all-gather", flats[0].name, nbytes, start, time.perf_counter_ns())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from infinity.config import ConfigError, ZeroConfig
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import BlockPlan
+from infinity.partition.blocks import flat_groups
 from infinity.partition.flat_param import SHARD_ALIGN_ELEMS, FlatParam
 from infinity.scheduler import BlockScheduler
 from infinity.shards.moments import moment_format
@@ -38,7 +39,20 @@ def largest_shard_elems(plan: BlockPlan, world_size: int) -> tuple[int, int, int
     return math.ceil(max(sizes, default=0) / world_size) + SHARD_ALIGN_ELEMS, sum(sizes), sum(always)
 
 
-def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryPlan:
+def _all_uses(plan: BlockPlan) -> list[list]:
+    return [*(b[2] for b in plan.blocks), plan.root, plan.persistent]
+
+
+def largest_flat_shard_elems(plan: BlockPlan, group_of: dict[int, int], world_size: int, sub_group_elems: int) -> int:
+    """The largest trainable flat's shard in elements (`flat_groups`): the optimizer's unit of work."""
+    flats = [run for uses in _all_uses(plan) for _, group, run in flat_groups(uses, group_of, sub_group_elems)]
+    numels = [sum(p.numel() for _, p, _ in run) for run in flats] or [0]
+    return FlatParam.shard_elems(max(numels), world_size)
+
+
+def plan_memory(
+    z: ZeroConfig, plan: BlockPlan, placement: Placement, group_of: dict[int, int] | None = None
+) -> MemoryPlan:
     """Byte budgets per tier, the optimizer's window and the parameters' read-ahead.
 
     Host memory is bounded whenever no shard lives there but some live on NVMe. Without an explicit
@@ -49,13 +63,15 @@ def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryP
     """
     world, itemsize = placement.world_size, placement.compute_dtype.itemsize
     largest, total, always_gathered = largest_shard_elems(plan, world)
+    # the optimizer streams flats (sub-groups of `sub_group_size` elements at most), not whole blocks
+    optim_largest = largest_flat_shard_elems(plan, group_of or {}, world, z.sub_group_size)
     param_on_nvme = placement.param_home is Tier.NVME
     optim_on_nvme = placement.optim_home is Tier.NVME
     # where gathers read host copies, the prefetch bucket's shards are held from their fetch to their gather
     held = math.ceil(min(z.stage3_prefetch_bucket_size, total) / world) if placement.compute_in_host_memory else 0
     param_min = ShardStore.gather_host_bytes(largest, held, itemsize) if param_on_nvme else 0
-    grad_rmw = ShardStore.grad_accumulation_bytes(largest) if optim_on_nvme else 0
-    shard_state = NativeStepper.shard_state_bytes(largest, placement.moments)
+    grad_rmw = ShardStore.grad_accumulation_bytes(optim_largest) if optim_on_nvme else 0
+    shard_state = NativeStepper.shard_state_bytes(optim_largest, placement.moments)
     window = z.offload_optimizer.buffer_count
     host = z.host_budget_bytes
     bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
@@ -67,7 +83,7 @@ def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryP
             read_ahead = max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
             host += read_ahead
         if optim_on_nvme:
-            host += NativeStepper.host_bytes(window, largest, placement.moments)
+            host += NativeStepper.host_bytes(window, optim_largest, placement.moments)
     elif host is not None and bounded:
         working = 0
         if placement.compute_in_host_memory:
@@ -81,7 +97,8 @@ def plan_memory(z: ZeroConfig, plan: BlockPlan, placement: Placement) -> MemoryP
             need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
             raise ConfigError(
                 f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
-                f"elements) needs at least {need} bytes of host memory to stream through: raise the budget"
+                f"elements) needs at least {need} bytes of host memory to stream through: raise the budget, or "
+                "lower 'zero_optimization.sub_group_size' so that the optimizer streams smaller pieces"
             )
         host -= working
         if param_on_nvme:
@@ -94,7 +111,7 @@ def _round_up(nbytes: int) -> int:
 
 
 def home_bytes(
-    plan: BlockPlan, group_of: dict[int, int], placement: Placement, grad_accumulation: int
+    plan: BlockPlan, group_of: dict[int, int], placement: Placement, grad_accumulation: int, sub_group_elems: int
 ) -> dict[Tier, int]:
     """Per tier, the bytes this rank's shards take in their homes, as `shard_model` lays them out (one flat
     per block and param group; host and NVMe slots padded to 4 KiB as the buffer pool and the swap file
@@ -105,13 +122,9 @@ def home_bytes(
     # on NVMe a gradient slot exists only where gradients must wait there for the step
     nvme_grads = not p.step_in_backward or grad_accumulation > 1
     total = dict.fromkeys(Tier, 0)
-    for uses in (*(b[2] for b in plan.blocks), plan.root, plan.persistent):
-        sizes: dict[int | None, int] = {}
-        for _, param, _ in uses:
-            group = group_of.get(id(param))
-            sizes[group] = sizes.get(group, 0) + param.numel()
-        for group, numel in sizes.items():
-            shard = FlatParam.shard_elems(numel, world)
+    for uses in _all_uses(plan):
+        for _, group, run in flat_groups(uses, group_of, sub_group_elems):
+            shard = FlatParam.shard_elems(sum(p.numel() for _, p, _ in run), world)
             param_elems = shard * world if p.params_resident else shard  # resident: the whole (padded) flat
             total[p.param_home] += pad[p.param_home](param_elems * p.compute_dtype.itemsize)
             if group is None:

@@ -11,40 +11,51 @@ from torch import nn
 
 from infinity.comm import CommGroup
 from infinity.partition import BlockPlan, FlatParam
-from infinity.partition.blocks import ParamUse
+from infinity.partition.blocks import ParamUse, flat_groups
 from infinity.partition.materialize import materialize_modules
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.shards.store import ShardStore
 
 
 def shard_model(
-    model: nn.Module, plan: BlockPlan, group_of: dict[int, int], shards: ShardStore, comm: CommGroup
+    model: nn.Module,
+    plan: BlockPlan,
+    group_of: dict[int, int],
+    shards: ShardStore,
+    comm: CommGroup,
+    sub_group_elems: int,
 ) -> tuple[list[ShardedBlock], ShardedBlock, ShardedBlock]:
-    """(the blocks in module order, the root, the persistent set), every parameter's bytes in `shards`."""
+    """(the blocks in module order, the root, the persistent set), every parameter's bytes in `shards`;
+    flats hold at most `sub_group_elems` elements each (`flat_groups`)."""
     cpu = torch.device("cpu")
     blocks = []
+
+    def flats_of(name: str, uses: list[ParamUse], persistent: bool) -> list[FlatParam]:
+        return _shard_flats(name, flat_groups(uses, group_of, sub_group_elems), persistent, shards, comm)
+
     for i, (name, module, uses) in enumerate(plan.blocks):
         materialize_modules(module.modules(), model, cpu)
-        blocks.append(ShardedBlock(i, name, module, _shard_flats(name, uses, group_of, False, shards, comm)))
+        blocks.append(ShardedBlock(i, name, module, flats_of(name, uses, False)))
     materialize_modules(model.modules(), model, cpu)
-    root = ShardedBlock(-1, "<root>", model, _shard_flats("<root>", plan.root, group_of, False, shards, comm))
-    persistent_flats = _shard_flats("<persistent>", plan.persistent, group_of, True, shards, comm)
-    return blocks, root, ShardedBlock(-2, "<persistent>", None, persistent_flats)
+    root = ShardedBlock(-1, "<root>", model, flats_of("<root>", plan.root, False))
+    return blocks, root, ShardedBlock(-2, "<persistent>", None, flats_of("<persistent>", plan.persistent, True))
 
 
 def _shard_flats(
-    name: str, uses: list[ParamUse], group_of: dict[int, int], persistent: bool, shards: ShardStore, comm: CommGroup
+    name: str,
+    groups: list[tuple[str, int | None, list[ParamUse]]],
+    persistent: bool,
+    shards: ShardStore,
+    comm: CommGroup,
 ) -> list[FlatParam]:
-    """One FlatParam per param group (frozen ones apart), each handed to the store at once."""
-    by_group: dict[int | None, list] = {}
-    for fqn, old_param, param_uses in uses:
-        module, attr = param_uses[0]
-        current = module._parameters[attr]  # materialization may have replaced a meta parameter
-        by_group.setdefault(group_of.get(id(old_param)), []).append((fqn, current, param_uses))
+    """One FlatParam per entry of `groups`, each handed to the store at once."""
     placement = shards.placement
     flats = []
-    for group_index, members in sorted(by_group.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        tag = "frozen" if group_index is None else group_index
+    for tag, group_index, uses in groups:
+        members = []
+        for fqn, _, param_uses in uses:
+            module, attr = param_uses[0]
+            members.append((fqn, module._parameters[attr], param_uses))  # materialized: maybe a new parameter
         flat = FlatParam(
             f"{name}#{tag}",
             members,

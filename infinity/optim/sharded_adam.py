@@ -31,9 +31,11 @@ class ShardedAdam(torch.optim.Optimizer):
         shards: ShardStore,
         window: int = 4,
         prof=None,
+        pipeline: tuple[bool, bool] = (True, True),
     ) -> None:
         """`window`: shards the native stepper holds in host memory at once (`offload_optimizer.buffer_count`);
-        `prof`: the trace writer the stepper records its waits and arithmetic into."""
+        `prof`: the trace writer the stepper records its waits and arithmetic into; `pipeline`: the native
+        stepper's (read ahead, write behind) (`offload_optimizer.pipeline_read`, `pipeline_write`)."""
         self.adamw_mode = adamw_mode
         self.shards = shards
         self.step_in_backward = shards.placement.step_in_backward
@@ -41,7 +43,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.stepper: Stepper = (
             TorchFusedStepper(shards, self.hyper, adamw_mode)
             if shards.placement.stepper is StepperKind.TORCH
-            else NativeStepper(shards, self.hyper, adamw_mode, window, prof)
+            else NativeStepper(shards, self.hyper, adamw_mode, window, prof, *pipeline)
         )
 
     # -- gradients -----------------------------------------------------------------------------

@@ -110,12 +110,26 @@ class NativeStepper:
     done), whatever the store's budget; one more shard's worth covers the store's staging.
     """
 
-    def __init__(self, shards: ShardStore, hyper: Hyper, adamw_mode: bool, window: int, prof=None) -> None:
-        """`prof` records the waits on the store and, in the optimizer phase, each shard's arithmetic."""
+    def __init__(
+        self,
+        shards: ShardStore,
+        hyper: Hyper,
+        adamw_mode: bool,
+        window: int,
+        prof=None,
+        read_ahead: bool = True,
+        write_behind: bool = True,
+    ) -> None:
+        """`prof` records the waits on the store and, in the optimizer phase, each shard's arithmetic;
+        `read_ahead` / `write_behind` (`offload_optimizer.pipeline_read` / `pipeline_write`): read the next
+        shards' state while one is stepped / write a stepped shard back while the next is stepped; without
+        them each shard's state is read when it is stepped / written before the next is."""
         self.shards = shards
         self.hyper = hyper
         self.adamw_mode = adamw_mode
         self.window = max(1, window)
+        self.read_ahead = read_ahead
+        self.write_behind = write_behind
         self.prof = prof if prof is not None else NullTraceWriter()
         self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
         self.stepped_when_needed = 0  # shards whose deferred step ran when they were next needed (a counter)
@@ -157,8 +171,7 @@ class NativeStepper:
         for i, flat in enumerate(todo):
             # read ahead: the next shards' state comes in while this one is stepped, in what the window
             # leaves beside the shards still being written back
-            room = max(1, self.window - len(self._returning))
-            self.shards.prefetch_state(todo[i : i + room], with_grad=True)
+            self.shards.prefetch_state(todo[i : i + self._read_room()], with_grad=True)
             self._step_one(flat, None, grad_scale)
         self.drain()
         self._stepped.clear()
@@ -190,9 +203,13 @@ class NativeStepper:
             self.drain()
             self._stepped.clear()
 
+    def _read_room(self) -> int:
+        """Shards whose state may be read now, counting the one to step: what the window leaves beside the
+        shards still being written back (one without read-ahead)."""
+        return max(1, self.window - len(self._returning)) if self.read_ahead else 1
+
     def _read_ahead_deferred(self) -> None:
-        room = max(1, self.window - len(self._returning))
-        self.shards.prefetch_state(list(self._deferred)[:room], with_grad=True)
+        self.shards.prefetch_state(list(self._deferred)[: self._read_room()], with_grad=True)
 
     def settle_all(self) -> None:
         if self._deferred:
@@ -223,7 +240,8 @@ class NativeStepper:
             self.prof.compute(block, fetched, time.perf_counter_ns())
         self._returning.append(self.shards.give_back(lent, param_written=written))
         # the shards read ahead on arrival share the window's host memory with those being written
-        while len(self._returning) >= max(1, self.window - len(self._arrived)):
+        in_flight = max(1, self.window - len(self._arrived)) if self.write_behind else 1
+        while len(self._returning) >= in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:

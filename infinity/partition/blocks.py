@@ -95,3 +95,29 @@ def plan_blocks(
             plan.root.append(use)  # used outside any block, or by several blocks (tied weights)
     plan.blocks = [b for b in plan.blocks if b[2]]
     return plan
+
+
+def flat_groups(
+    uses: list[ParamUse], group_of: dict[int, int], max_elems: int
+) -> list[tuple[str, int | None, list[ParamUse]]]:
+    """How one block's parameters form flats: one per param group (frozen ones, group None, first), each
+    split at parameter boundaries into runs of at most `max_elems` elements (`sub_group_size`; a larger
+    parameter is a run of its own). Returns (tag, group, parameters) per flat; the tag names the group, and
+    the run when a group is split ("0", "0.1", "frozen")."""
+    by_group: dict[int | None, list[ParamUse]] = {}
+    for use in uses:
+        by_group.setdefault(group_of.get(id(use[1])), []).append(use)
+    out = []
+    for group, members in sorted(by_group.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        runs: list[list[ParamUse]] = [[]]
+        size = 0
+        for use in members:
+            if runs[-1] and size + use[1].numel() > max_elems:
+                runs.append([])
+                size = 0
+            runs[-1].append(use)
+            size += use[1].numel()
+        tag = "frozen" if group is None else str(group)
+        for k, run in enumerate(runs):
+            out.append((tag if k == 0 else f"{tag}.{k}", group, run))
+    return out

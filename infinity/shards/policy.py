@@ -61,6 +61,7 @@ class Placement:
 
     compute_device: torch.device
     compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype  # gradients cross ranks in it (`communication_data_type`), summed in fp32 after
     world_size: int
     stage: int  # ZeRO stage: 3 partitions parameters; 1 and 2 keep them replicated (and resident)
     grad_reduction: GradReduction
@@ -147,9 +148,14 @@ def resolve_placement(
     if compute_device.type == "cpu" and Tier.NVME in (param_home, optim_home):
         malloc = MallocTuning.RETURN_TO_OS if z.host_budget_bytes is not None else MallocTuning.CAP_ARENAS
     reduction = GradReduction.ALL_REDUCE if z.stage == 1 else GradReduction.REDUCE_SCATTER
+    comm_dtype = cfg.communication_data_type
+    reduce_dtype = dtype if comm_dtype is None else {"fp32": torch.float32, "fp16": torch.float16}.get(
+        comm_dtype, torch.bfloat16
+    )
     return Placement(
         compute_device=compute_device,
         compute_dtype=dtype,
+        reduce_dtype=reduce_dtype,
         world_size=world_size,
         stage=z.stage,
         grad_reduction=reduction,
