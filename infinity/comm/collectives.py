@@ -78,6 +78,18 @@ class CommGroup:
             raise self._fail("reduce-scatter", what, exc) from exc
         return _Work(work, lambda exc: self._fail("reduce-scatter", what, exc)) if work is not None else None
 
+    def reduce_scatter_in_background(self, full: torch.Tensor, what: str) -> tuple[torch.Tensor, object]:
+        """Start summing `full` over ranks without waiting; (this rank's slice of the sum once the work
+        handle is waited for, the handle). NCCL reduce-scatters into a new shard; Gloo's reduce-scatter does
+        not progress until it is waited for, so there the whole buffer is all-reduced (Gloo runs that in the
+        background) and the slice is a view of it."""
+        shard_numel = full.numel() // self.world_size
+        start = self.rank * shard_numel
+        if self.distributed and dist.get_backend(self.group) == "gloo":
+            return full[start : start + shard_numel], self.all_reduce(full, what, async_op=True)
+        shard = torch.empty(shard_numel, dtype=full.dtype, device=full.device)
+        return shard, self.reduce_scatter_sum(shard, full, what, async_op=True)
+
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False):
         """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`, or with `async_op` a work handle
         (None with one rank)."""

@@ -28,6 +28,9 @@ class _InFlight:
     final: bool
     start_ns: int
 
+    def arrived(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
 
 class GradReducer:
     """Reduces each block's gradients into this rank's optimizer shards as its backward ends.
@@ -37,7 +40,8 @@ class GradReducer:
     keeps this rank's slice (twice the bytes of a reduce-scatter for the same result: stage 2 is the better
     choice where a config allows it). Both reduce every micro-batch, so micro-batches are summed in the
     order plain PyTorch sums them. With `overlap` (`overlap_comm`) the collectives run while backward goes
-    on, at most `bucket_elems` (`reduce_bucket_size`) elements in flight; `flush()` ends them. With one
+    on: each is handed over as soon as it has arrived, and no more than `bucket_elems`
+    (`reduce_bucket_size`) elements wait at once; `flush()` ends them. With one
     rank the gradients are this rank's shard already: the one place that knows it, so they go to the
     accumulator in one pass."""
 
@@ -72,7 +76,10 @@ class GradReducer:
                 continue
             self._issue(block.name, flat, final)
             flat.clear_grads()
-            while self._in_flight and (not self.overlap or self._in_flight_elems > self.bucket_elems):
+            # hand over what has arrived (its buffers go at once); wait only past the bucket
+            while self._in_flight and (
+                not self.overlap or self._in_flight_elems > self.bucket_elems or self._in_flight[0].arrived()
+            ):
                 self._complete_oldest()
 
     def flush(self) -> None:
@@ -87,9 +94,11 @@ class GradReducer:
             full.zero_()
         start = time.perf_counter_ns()
         what = f"gradients of {flat.name}"
-        if self.reduction is GradReduction.REDUCE_SCATTER:
+        if self.reduction is GradReduction.REDUCE_SCATTER and self.overlap:
+            shard, work = self.comm.reduce_scatter_in_background(full, what)
+        elif self.reduction is GradReduction.REDUCE_SCATTER:
             shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=device)
-            work = self.comm.reduce_scatter_sum(shard, full, what, async_op=self.overlap)
+            work = self.comm.reduce_scatter_sum(shard, full, what)
         else:
             begin, end = flat.shard_range
             work = None
