@@ -66,8 +66,8 @@ class CommGroup:
             raise self._fail("all-gather", what, exc) from exc
         return _Work(work, lambda exc: self._fail("all-gather", what, exc)) if work is not None else None
 
-    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
-        """Write into `shard` this rank's slice of the mean of `full` over ranks."""
+    def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        """Write into `shard` this rank's slice of the sum of `full` over ranks."""
         if not self.distributed:
             shard.copy_(full)
             return
@@ -75,7 +75,12 @@ class CommGroup:
             _reduce_scatter_flat(shard, full, group=self.group)
         except Exception as exc:
             raise self._fail("reduce-scatter", what, exc) from exc
-        shard.div_(self.world_size)
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        """Write into `shard` this rank's slice of the mean of `full` over ranks."""
+        self.reduce_scatter_sum(shard, full, what)
+        if self.distributed:
+            shard.div_(self.world_size)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`."""

@@ -4,6 +4,7 @@ parameters (stages 1-2), the updated partitions back to every rank."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,23 @@ from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition import FlatParam
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.shards import GradReduction, ShardStore
+
+
+@dataclass(frozen=True)
+class GradScaling:
+    """Where the division by the world size happens around the sum over ranks (DeepSpeed's
+    `prescale_gradients` and `gradient_predivide_factor`, as its engine's all-reduce applies them): prescaled,
+    all of it before; otherwise by the predivide factor before and by world size / factor after. The result
+    is the mean either way; pre-dividing keeps large sums in range."""
+
+    before: float  # divisor applied to this rank's gradients before the sum
+    after: float  # divisor applied to the sum
+
+    @staticmethod
+    def from_config(prescale: bool, predivide_factor: float, world_size: int) -> GradScaling:
+        if prescale:
+            return GradScaling(float(world_size), 1.0)
+        return GradScaling(predivide_factor, world_size / predivide_factor)
 
 
 class GradReducer:
@@ -23,11 +41,19 @@ class GradReducer:
     rank the gradients are this rank's shard already: the one place that knows it, so they go to the
     accumulator in one pass."""
 
-    def __init__(self, comm: CommGroup, optimizer: ShardedAdam, reduction: GradReduction, prof) -> None:
+    def __init__(
+        self,
+        comm: CommGroup,
+        optimizer: ShardedAdam,
+        reduction: GradReduction,
+        prof,
+        scaling: GradScaling | None = None,
+    ) -> None:
         self.comm = comm
         self.optimizer = optimizer
         self.reduction = reduction
         self.prof = prof
+        self.scaling = scaling or GradScaling(1.0, float(comm.world_size))
 
     def reduce_block(self, block: ShardedBlock, final: bool) -> None:
         """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step."""
@@ -46,12 +72,16 @@ class GradReducer:
         if full is None:  # every rank joins the collective, with or without gradients
             full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=flat.full.device)
         start = time.perf_counter_ns()
+        if self.scaling.before != 1.0:
+            full.div_(self.scaling.before)
         if self.reduction is GradReduction.REDUCE_SCATTER:
             shard = torch.empty(flat.shard_numel, dtype=torch.float32, device=full.device)
-            self.comm.reduce_scatter_mean(shard, full, f"gradients of {flat.name}")
+            self.comm.reduce_scatter_sum(shard, full, f"gradients of {flat.name}")
         else:
             begin, end = flat.shard_range
-            shard = self.comm.all_reduce(full, f"gradients of {flat.name}")[begin:end].div_(self.comm.world_size)
+            shard = self.comm.all_reduce(full, f"gradients of {flat.name}")[begin:end]
+        if self.scaling.after != 1.0:
+            shard.div_(self.scaling.after)
         self.prof.collective(self.reduction.value, block_name, full.numel() * 4, start, time.perf_counter_ns())
         return shard
 
