@@ -1,8 +1,4 @@
-"""Tiny Hugging Face models built from config (no download), a tokenizer trained here, and text to train on.
-
-`ZOO` names the architectures of the model zoo test: each a config class, a model class and the
-smallest sizes that keep its structure (two layers, several heads, experts for the mixture of experts).
-"""
+"""A tiny Llama folder as `save_pretrained` writes it (no download), a tokenizer trained here, text to train on."""
 
 from __future__ import annotations
 
@@ -12,8 +8,6 @@ from pathlib import Path
 import torch
 
 from infinity.data.corpus import load_corpus
-
-VOCAB = 96
 
 
 def corpus_text(chars: int = 40_000) -> str:

@@ -39,9 +39,10 @@ class ModelChoice:
     def loss(self, engine, batch) -> torch.Tensor:
         """One micro-batch's mean loss: next-token cross-entropy."""
         if self.hf is not None:  # transformers shifts the labels itself
+            batch = batch.to(engine.device)
             return engine(input_ids=batch, labels=batch).loss
         x, y = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
-        return engine(x, y)[1]
+        return engine(x.to(engine.device), y.to(engine.device))[1]
 
 
 def _preset(args: argparse.Namespace) -> ModelChoice:

@@ -99,9 +99,11 @@ def load_hf_folder(path: str | os.PathLike, with_tokenizer: bool = True) -> HFFo
     if not is_hf_folder(folder):
         raise ConfigError(f"'{folder}' is not a Hugging Face model folder: it has no {CONFIG_FILE}")
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    # fp32 parameters whatever the folder's dtype: the engine keeps fp32 masters and casts for compute
+    dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     try:
         with parameters_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_config(config, **{dtype_kwarg: torch.float32})
     except ValueError as exc:
         raise ConfigError(
             f"'{folder}' holds a {type(config).__name__} ({config.model_type}), which transformers cannot build as "
