@@ -105,6 +105,7 @@ def classify(exc: BaseException) -> Fault | None:
     """The exit code and message for a user error or an interruption; None for an internal error (a bug)."""
     from infinity.comm import CommError
     from infinity.config import ConfigError
+    from infinity.data.text import DataError
     from infinity.engine.checkpoint import CheckpointError
     from infinity.storage.errors import BudgetError, StorageError, SwapFileError
 
@@ -116,7 +117,9 @@ def classify(exc: BaseException) -> Fault | None:
         if _PeerSilence.message is not None:
             return Fault(ExitCode.PEER, _PeerSilence.message)
         return Fault(128 + signal.SIGINT, "interrupted by SIGINT")
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, DataError)):
+        return Fault(ExitCode.USAGE, str(exc))
+    if isinstance(exc, ImportError) and "pip install" in str(exc):  # an optional extra the run needs
         return Fault(ExitCode.USAGE, str(exc))
     if isinstance(exc, CheckpointError):
         return Fault(ExitCode.CHECKPOINT, str(exc))

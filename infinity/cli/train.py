@@ -1,7 +1,9 @@
 """`infinity train`: the default job trains the small GPT on the bundled corpus with ZeRO-3 and NVMe offload.
 
-Every flag overrides the embedded default; `--config` replaces the default config with a DeepSpeed
-JSON file whose "auto" values are filled from these arguments, as Hugging Face's Trainer fills them.
+`--model FOLDER --data FILE` trains a Hugging Face model on the user's text instead (`cli.jobs`), and
+`--save-hf DIR` writes the result back as a Hugging Face folder. Every flag overrides the embedded
+default; `--config` replaces the default config with a DeepSpeed JSON file whose "auto" values are
+filled from these arguments, as Hugging Face's Trainer fills them.
 Under `torchrun` every rank trains its slice of each batch; rank 0 prints and the checkpoint is sharded.
 """
 
@@ -26,6 +28,7 @@ DEFAULT_SEQ = 64
 DEFAULT_SAVE_DIR = "runs/default"
 DEFAULT_NVME_PATH = "./nvme"
 LR = 3e-3
+LR_PRETRAINED = 2e-5  # fine-tuning a pretrained Hugging Face model
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
 MAX_GRAD_NORM = 1.0
@@ -57,7 +60,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a DeepSpeed-style JSON config (default: the embedded one)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help="GPT preset (default: small)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a GPT preset ({', '.join(GPT_PRESETS)}; default: small) or a Hugging Face model folder",
+    )
+    parser.add_argument("--data", help="text to train on: a plain text or JSON lines file (default: bundled corpus)")
+    parser.add_argument("--save-hf", help="also write the trained model as a Hugging Face folder DIR (--model FOLDER)")
+    parser.add_argument("--lr", type=float, help=f"peak learning rate (default: {LR}, {LR_PRETRAINED} for a folder)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total (resume included)")
     parser.add_argument("--seq", type=int, help=f"tokens per sequence (default: {DEFAULT_SEQ}, at most the preset's)")
     parser.add_argument("--save-dir", default=DEFAULT_SAVE_DIR, help="where checkpoints are written")
@@ -90,7 +100,7 @@ def auto_values(args: argparse.Namespace) -> AutoValues:
     return AutoValues(
         micro_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=1,
-        learning_rate=LR,
+        learning_rate=_lr(args),
         adam_betas=BETAS,
         adam_epsilon=1e-8,
         weight_decay=WEIGHT_DECAY,
@@ -100,6 +110,25 @@ def auto_values(args: argparse.Namespace) -> AutoValues:
         fp16=args.dtype == "fp16",
         bf16=args.dtype == "bf16",
     )
+
+
+def _lr(args: argparse.Namespace) -> float:
+    if getattr(args, "lr", None) is not None:
+        return args.lr
+    return LR if getattr(args, "model", DEFAULT_MODEL) in GPT_PRESETS else LR_PRETRAINED
+
+
+def _with_lr(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The embedded config with --lr (or a pretrained model's default) as the optimizer's lr."""
+    raw["optimizer"]["params"]["lr"] = _lr(args)
+    return raw
+
+
+def _with_block_classes(cfg: InfinityConfig, classes: tuple[str, ...] | None, from_file: bool) -> InfinityConfig:
+    """A model's own layer classes as its blocks, unless a config file names some."""
+    if classes is None or (from_file and cfg.zero_optimization.block_classes):
+        return cfg
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, block_classes=classes))
 
 
 def _with_offload(cfg: InfinityConfig, device: str | None, nvme_path: str | None) -> InfinityConfig:
@@ -142,33 +171,18 @@ def _with_profile(cfg: InfinityConfig, args: argparse.Namespace) -> InfinityConf
     )
 
 
-def build_config(args: argparse.Namespace, hidden_size: int | None) -> InfinityConfig:
-    """The run's config: --config (or the default), --offload / --nvme-path / --dtype / --profile, "auto" resolved."""
-    raw = args.config if args.config else copy.deepcopy(DEFAULT_CONFIG)
-    cfg = load_config(raw)
+def build_config(
+    args: argparse.Namespace, hidden_size: int | None, block_classes: tuple[str, ...] | None = None
+) -> InfinityConfig:
+    """The run's config: --config (or the default), --offload / --nvme-path / --dtype / --profile, "auto" resolved;
+    `block_classes` (a model's own layers) replace the default's unless --config names some."""
+    raw = args.config if args.config else _with_lr(copy.deepcopy(DEFAULT_CONFIG), args)
+    cfg = _with_block_classes(load_config(raw), block_classes, from_file=bool(args.config))
     cfg = _with_profile(_with_dtype(_with_offload(cfg, args.offload, args.nvme_path), args.dtype), args)
     return resolve_auto(cfg, hidden_size, auto_values(args))
 
 
 # -- the job -----------------------------------------------------------------------------------
-
-
-def _model_config(args: argparse.Namespace):
-    from infinity.estimator import available_host_bytes, format_bytes
-    from infinity.models.gpt import count_params, gpt_preset
-
-    preset = gpt_preset(args.model)
-    seq = args.seq or min(DEFAULT_SEQ, preset.block_size)
-    if seq > preset.block_size:
-        raise ConfigError(f"--seq {seq} exceeds the '{args.model}' preset's block_size {preset.block_size}")
-    model_cfg = gpt_preset(args.model, block_size=seq)
-    build_bytes = 4 * count_params(model_cfg)
-    if build_bytes > available_host_bytes():
-        raise ConfigError(
-            f"building GPT '{args.model}' in fp32 takes {format_bytes(build_bytes)} of host memory and "
-            f"{format_bytes(available_host_bytes())} is available; see `infinity estimate --model {args.model}`"
-        )
-    return model_cfg
 
 
 def _mean_over_ranks(engine, value: float) -> float:
@@ -191,46 +205,36 @@ def _join_and_watch_peers(config: InfinityConfig):
 
 
 def _start(args: argparse.Namespace):
-    """Build the model, config, engine and batches; returns (engine, model config, batches, heartbeat)."""
+    """Build the model, config, engine and batches; returns (engine, the model choice, batches, heartbeat)."""
     import infinity
+    from infinity.cli.jobs import choose_model, load_pretrained, make_batches
     from infinity.cli.preflight import check_host_budget, check_save_dir, prepare_nvme_folders
-    from infinity.data.corpus import ByteBatches, load_corpus
-    from infinity.models.gpt import GPT
 
-    model_cfg = _model_config(args)
-    config = build_config(args, model_cfg.n_embd)
+    choice = choose_model(args)
+    config = build_config(args, choice.hidden_size, choice.block_classes)
     check_save_dir(args.save_dir)
     prepare_nvme_folders(config, from_flag=args.nvme_path is not None)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_host_budget(config, args.model, model_cfg.block_size, world)
+    if choice.hf is None:  # a preset: its size is known before anything is built
+        check_host_budget(config, args.model, choice.seq, int(os.environ.get("WORLD_SIZE", "1")))
     heartbeat = _join_and_watch_peers(config)
-    torch.manual_seed(args.seed)
     try:
-        engine, _, _, _ = infinity.initialize(model=GPT(model_cfg), config=config)
+        engine, _, _, _ = infinity.initialize(model=choice.model, config=config)
+        load_pretrained(choice, engine)
     except BaseException:
         if heartbeat is not None:
             heartbeat.stop()  # this rank ends now: not silent, gone
         raise
-    cfg = engine.config
-    data = ByteBatches(
-        load_corpus("train"),
-        cfg.train_micro_batch_size_per_gpu,
-        model_cfg.block_size,
-        args.seed,
-        engine.comm.rank,
-        engine.comm.world_size,
-    )
-    return engine, model_cfg, data, heartbeat
+    return engine, choice, make_batches(args, choice, engine), heartbeat
 
 
-def _describe(engine, args: argparse.Namespace, seq: int) -> str:
+def _describe(engine, name: str, seq: int) -> str:
     cfg, z = engine.config, engine.config.zero_optimization
     where = f"params on {z.offload_param.device}, optimizer on {z.offload_optimizer.device}"
     nvme = [s.nvme_path for s in (z.offload_param, z.offload_optimizer) if s.device == "nvme"]
     if nvme:
         where += f" (NVMe folder {Path(nvme[0]).resolve()})"
     return (
-        f"infinity: GPT '{args.model}' {sum(f.numel for f in engine.flats) / 1e6:.2f}M parameters, "
+        f"infinity: {name} {sum(f.numel for f in engine.flats) / 1e6:.2f}M parameters, "
         f"{engine.comm.world_size} rank(s), seq {seq}, batch {cfg.train_batch_size}, {cfg.compute_dtype_name}; {where}"
     )
 
@@ -251,7 +255,7 @@ def _resume(engine, data, args: argparse.Namespace, say) -> str:
     except ValueError as exc:
         raise CheckpointError(
             f"checkpoint '{tag}' in '{args.save_dir}' was written by a run with another batch stream: {exc}; "
-            "resume with the same --model, --seq, --seed, batch sizes and number of ranks"
+            "resume with the same --model, --data, --seq, --seed, batch sizes and number of ranks"
         ) from exc
     return tag
 
@@ -263,21 +267,21 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume_fallback and not (args.resume or args.resume_tag):
         raise ConfigError("--resume-fallback applies to a resume: add --resume (or --resume-tag TAG)")
     torch.set_flush_denormal(True)
-    engine, model_cfg, data, heartbeat = _start(args)
+    engine, choice, data, heartbeat = _start(args)
     try:
-        return _train(engine, model_cfg, data, args)
+        return _train(engine, choice, data, args)
     finally:
+        engine.close()  # the swap files are removed; a later run in this process may use the same folder
         if heartbeat is not None:
             heartbeat.stop()
 
 
-def _loop(engine, data, args: argparse.Namespace, start_step: int, progress, losses: list[float], save, say) -> None:
+def _loop(engine, choice, data, args: argparse.Namespace, start_step: int, progress, losses: list[float], save, say):
     """Train steps start_step+1 .. args.steps, appending each step's loss (mean over ranks) to `losses`."""
     for step in range(start_step + 1, args.steps + 1):
         step_loss = 0.0
         for _ in range(engine.gradient_accumulation_steps):
-            x, y = next(data)
-            _, loss = engine(x, y)
+            loss = choice.loss(engine, next(data))
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / engine.gradient_accumulation_steps
@@ -291,7 +295,8 @@ def _loop(engine, data, args: argparse.Namespace, start_step: int, progress, los
             say(f"checkpoint: {folder}")
 
 
-def _train(engine, model_cfg, data, args: argparse.Namespace) -> int:
+def _train(engine, choice, data, args: argparse.Namespace) -> int:
+    from infinity.cli.jobs import save_hf
     from infinity.cli.progress import Progress
 
     rank = engine.comm.rank
@@ -300,16 +305,16 @@ def _train(engine, model_cfg, data, args: argparse.Namespace) -> int:
     start_step = engine.global_steps
     if resumed is not None:
         say(f"resumed from {args.save_dir} ({resumed}) at step {start_step}")
-    say(_describe(engine, args, model_cfg.block_size))
+    say(_describe(engine, choice.name, choice.seq))
     if start_step >= args.steps:
         say(f"nothing to do: the checkpoint is at step {start_step} and --steps is {args.steps}")
         return 0
 
     def save() -> str:
-        client_state = {"data": data.state_dict(), "model": args.model, "seq": model_cfg.block_size}
+        client_state = {"data": data.state_dict(), "model": args.model, "seq": choice.seq}
         return engine.save_checkpoint(args.save_dir, client_state=client_state)
 
-    tokens_per_step = engine.config.train_batch_size * model_cfg.block_size
+    tokens_per_step = engine.config.train_batch_size * choice.seq
     progress = None
     if rank == 0:
         progress = Progress(
@@ -318,7 +323,7 @@ def _train(engine, model_cfg, data, args: argparse.Namespace) -> int:
     losses: list[float] = []
     started = time.perf_counter()
     try:
-        _loop(engine, data, args, start_step, progress, losses, save, say)
+        _loop(engine, choice, data, args, start_step, progress, losses, save, say)
     finally:
         if progress is not None:
             progress.close()  # an error's line starts on a line of its own
@@ -331,6 +336,9 @@ def _train(engine, model_cfg, data, args: argparse.Namespace) -> int:
         f"{len(losses) * tokens_per_step / elapsed:,.0f} tokens/s, waited {engine.stall_s:.2f} s for weights"
     )
     say(f"checkpoint written to {folder}")
+    hf_folder = save_hf(args, choice, engine)
+    if hf_folder is not None:
+        say(f"Hugging Face folder written to {hf_folder}")
     say(f"full weights: infinity consolidate {args.save_dir} model.pt   resume: add --resume")
     if getattr(args, "profile", False):
         say(f"swap traces in {profile_path(args)}: infinity profile {profile_path(args)}")

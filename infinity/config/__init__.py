@@ -2,6 +2,7 @@
 
 from infinity.config.auto import AutoValues, resolve_auto, unresolved_auto_keys
 from infinity.config.config import InfinityConfig, load_config, resolve_batch_sizes
+from infinity.config.notices import NO_EFFECT, no_effect_notices
 from infinity.config.schema import AUTO, ConfigError
 from infinity.config.sections import (
     AioConfig,
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "FP16Config",
     "InfinityConfig",
+    "NO_EFFECT",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
@@ -30,6 +32,7 @@ __all__ = [
     "SchedulerConfig",
     "ZeroConfig",
     "load_config",
+    "no_effect_notices",
     "resolve_auto",
     "resolve_batch_sizes",
     "unresolved_auto_keys",

@@ -49,11 +49,13 @@ class InfinityConfig:
     profiler: ProfilerConfig = option(default_factory=ProfilerConfig)
     checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig)
     steps_per_print: int = option(10, min_value=1)
-    wall_clock_breakdown: bool = option(False)
-    prescale_gradients: bool = option(False)
-    gradient_predivide_factor: float = option(1.0, min_value=0.0)
+    wall_clock_breakdown: bool = option(False, doc="print each step's forward, backward and step time (rank 0)")
+    prescale_gradients: bool = option(False, doc="divide gradients by the world size before summing them over ranks")
+    gradient_predivide_factor: float = option(
+        1.0, min_value=0.0, doc="without prescale_gradients: divide by this before the sum, the rest after"
+    )
     zero_allow_untested_optimizer: bool = option(False)
-    seed: int = option(1234)
+    seed: int | None = option(None, doc="seeds random, numpy and torch on every rank at initialize; unset: untouched")
     communication_data_type: str | None = option(
         None,
         choices=(None, "fp32", "fp16", "bf16"),
@@ -63,6 +65,8 @@ class InfinityConfig:
     def __post_init__(self) -> None:
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
+        if self.gradient_predivide_factor <= 0:
+            raise ConfigError(f"'gradient_predivide_factor' is {self.gradient_predivide_factor}; it must be > 0")
 
     @property
     def compute_dtype_name(self) -> str:

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from infinity.comm import CommGroup, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
-from infinity.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
-from infinity.engine.grad_reduction import GradReducer, share_updated_partitions
+from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
+from infinity.engine.grad_reduction import GradReducer, GradScaling, share_updated_partitions
 from infinity.engine.host_memory import limit_freed_memory
 from infinity.engine.memory_plan import MemoryPlan, check_host_budget, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
@@ -32,8 +35,10 @@ from infinity.partition import plan_blocks
 from infinity.partition.materialize import check_materializable
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.profiler.null_writer import NullTraceWriter
+from infinity.profiler.wall_clock import WallClock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
+from infinity.scheduler.unused_params import UnusedParameterCheck
 from infinity.shards import MallocTuning, Placement, ShardStore, resolve_placement
 from infinity.shards.registry import owner_of
 from infinity.storage import MoveCounter, Recorder, Tier, TierStore, check_free_space, swap_file_bytes
@@ -94,6 +99,13 @@ def _open_tiers(
     )
 
 
+def seed_everything(seed: int) -> None:
+    """The config's `seed`: Python's, numpy's and torch's generators (every device's) on this rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for key, buf in module._buffers.items():
@@ -122,6 +134,11 @@ class InfinityEngine:
         # such as `infinity train`, watches the peers already)
         self._heartbeat = start_heartbeat(rank, world, cfg.zero_optimization.heartbeat_timeout_s, end_on_silence)
         self.config = cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
+        if cfg.seed is not None:
+            seed_everything(cfg.seed)  # before a meta model is materialized with its initializers
+        if rank == 0:
+            for line in no_effect_notices(cfg):
+                print(line, file=sys.stderr)
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
         apply_process_settings(self.placement)
@@ -166,7 +183,11 @@ class InfinityEngine:
             overlap=z.overlap_comm,
             bucket_elems=z.reduce_bucket_size,
             prof=self.prof,
+            scaling=GradScaling.from_config(cfg.prescale_gradients, cfg.gradient_predivide_factor, world),
         )
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.wall_clock = WallClock(cfg.wall_clock_breakdown, cfg.steps_per_print, rank, sync)
+        self._unused_check = None if z.ignore_unused_parameters else UnusedParameterCheck(model, self.comm, device)
 
         self._client_optimizer = optimizer
         self.lr_scheduler = self._make_lr_scheduler(lr_scheduler)
@@ -231,7 +252,8 @@ class InfinityEngine:
             for tier in Tier:  # each step's peak is its own
                 self.tiers.reset_high_water(tier)
         self.prof.set_phase("forward")
-        return self.module(*args, **kwargs)
+        with self.wall_clock.time("forward"):
+            return self.module(*args, **kwargs)
 
     def _record_live_bytes(self) -> None:
         for tier in Tier:
@@ -251,20 +273,25 @@ class InfinityEngine:
         self.scheduler.begin_backward()
         self.prof.set_phase("backward")
         self._record_live_bytes()
-        scaled.backward()
-        self.scheduler.finish_backward()
-        self.reducer.flush()
+        with self.wall_clock.time("backward"):
+            scaled.backward()
+            self.scheduler.finish_backward()
+            self.reducer.flush()
 
     def step(self) -> None:
         """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
         if self.is_gradient_accumulation_boundary():
+            if self._unused_check is not None:
+                self._unused_check.check()
             self.prof.set_phase("optimizer")
             self._record_live_bytes()
-            self._optimizer_step()
+            with self.wall_clock.time("step"):
+                self._optimizer_step()
             self._record_live_bytes()
             for tier in Tier:
                 self.prof.peak(tier.value, self.tiers.high_water_bytes(tier))
             self.prof.end_step(self.global_steps - 1)
+            self.wall_clock.end_step(self.global_steps)
         self.micro_steps += 1
 
     def _sync_hyperparameters(self, into_client: bool) -> None:
@@ -331,6 +358,8 @@ class InfinityEngine:
         """Release the engine's storage (the NVMe swap files are removed); call once training is done."""
         self.optimizer.stepper.drain()
         self.scheduler.remove_hooks()
+        if self._unused_check is not None:
+            self._unused_check.remove()
         self.shards.close()
         self.prof.close()
         if self._heartbeat is not None:
@@ -365,9 +394,21 @@ class InfinityEngine:
 
         self.optimizer.refuse_mid_step("save_checkpoint")
         tag = tag or f"global_step{self.global_steps}"
-        return str(
-            save_checkpoint(save_dir, tag, self.shards, self.module, self._run_state(), client_state or {}, save_latest)
+        folder = save_checkpoint(
+            save_dir, tag, self.shards, self.module, self._run_state(), client_state or {}, save_latest
         )
+        if self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            self.save_16bit_model(str(folder))  # as HF's Trainer does at each save with this key set
+        return str(folder)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's: the consolidated compute-dtype weights in save_dir/save_filename when
+        `stage3_gather_16bit_weights_on_model_save` is set (True), else nothing (False); every rank calls it."""
+        from infinity.engine.weights16 import save_16bit_model
+
+        self.optimizer.refuse_mid_step("save_16bit_model")
+        enabled = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        return save_16bit_model(self.shards, self.module, enabled, save_dir, save_filename)
 
     def load_checkpoint(
         self,

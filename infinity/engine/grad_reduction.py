@@ -32,6 +32,23 @@ class _InFlight:
         return self.work is None or self.work.is_completed()
 
 
+@dataclass(frozen=True)
+class GradScaling:
+    """Where the division by the world size happens around the sum over ranks (DeepSpeed's
+    `prescale_gradients` and `gradient_predivide_factor`, as its engine's all-reduce applies them): prescaled,
+    all of it before; otherwise by the predivide factor before and by world size / factor after. The result
+    is the mean either way; pre-dividing keeps large sums in range."""
+
+    before: float  # divisor applied to this rank's gradients before the sum
+    after: float  # divisor applied to the sum
+
+    @staticmethod
+    def from_config(prescale: bool, predivide_factor: float, world_size: int) -> GradScaling:
+        if prescale:
+            return GradScaling(float(world_size), 1.0)
+        return GradScaling(predivide_factor, world_size / predivide_factor)
+
+
 class GradReducer:
     """Reduces each block's gradients into this rank's optimizer shards as its backward ends.
 
@@ -43,7 +60,8 @@ class GradReducer:
     on: each is handed over as soon as it has arrived, and no more than `bucket_elems`
     (`reduce_bucket_size`) elements wait at once; `flush()` ends them. With one
     rank the gradients are this rank's shard already: the one place that knows it, so they go to the
-    accumulator in one pass."""
+    accumulator in one pass. `scaling` places the division by the world size around the sum (DeepSpeed's
+    prescale_gradients / gradient_predivide_factor)."""
 
     def __init__(
         self,
@@ -54,6 +72,7 @@ class GradReducer:
         overlap: bool,
         bucket_elems: int,
         prof,
+        scaling: GradScaling | None = None,
     ) -> None:
         self.comm = comm
         self.optimizer = optimizer
@@ -62,6 +81,7 @@ class GradReducer:
         self.overlap = overlap
         self.bucket_elems = bucket_elems
         self.prof = prof
+        self.scaling = scaling or GradScaling(1.0, float(comm.world_size))
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_elems = 0
 
@@ -92,6 +112,8 @@ class GradReducer:
         full = torch.empty(flat.padded_numel, dtype=self.reduce_dtype, device=device)
         if flat.flat_grad(full) is None:  # every rank joins the collective, with or without gradients
             full.zero_()
+        if self.scaling.before != 1.0:
+            full.div_(self.scaling.before)
         start = time.perf_counter_ns()
         what = f"gradients of {flat.name}"
         if self.reduction is GradReduction.REDUCE_SCATTER and self.overlap:
@@ -117,7 +139,9 @@ class GradReducer:
             job.work.wait()
         nbytes = job.full.numel() * job.full.element_size()
         self.prof.collective(self.reduction.value, job.block, nbytes, job.start_ns, time.perf_counter_ns())
-        self.optimizer.accumulate_grad(job.flat, job.shard.div_(self.comm.world_size), job.final)
+        if self.scaling.after != 1.0:
+            job.shard.div_(self.scaling.after)
+        self.optimizer.accumulate_grad(job.flat, job.shard, job.final)
 
 
 @torch.no_grad()

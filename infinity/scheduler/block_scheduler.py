@@ -7,6 +7,12 @@ next blocks of the recorded order are prefetched up to `prefetch_bucket_elems`, 
 backward; once all its gradients have accumulated they go to `on_block_grads` and the block is
 resharded. The root's and persistent parameters stay gathered through forward and backward.
 
+A block's parameter read from outside the block (`param_access`) gathers the block then and there
+and enters the trace at that point, so the next step prefetches it. Read by a block, it is released
+when the reader's forward ends and gathered again before the reader's backward; read by the root
+with autograd on, it stays gathered until its gradients are complete. Either way it adds its
+gathered weights to the working set while its reader runs.
+
 Gathers are issued in one order on every rank (collectives must match): blocks enter a queue when
 their shards start to be fetched, and a block's all-gathers are issued only after those of every
 block queued before it, as soon as its own shards have arrived. Before any other collective (a
@@ -30,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from infinity.partition.sharded_block import BlockState, ShardedBlock, ShardSource
 from infinity.profiler.null_writer import NullTraceWriter
+from infinity.scheduler.param_access import ExternalReads, install_param_access
 from infinity.scheduler.trace import ExecutionTrace
 
 
@@ -81,6 +88,9 @@ class BlockScheduler:
         self.gathered_high_water_bytes = 0  # the most gathered (or being gathered) weights held at once
         self._open_span: tuple[str, int] | None = None
         self._position: dict[int, int | None] = {}
+        self._running: list[ShardedBlock] = []  # the root and the blocks whose forward is running, outermost first
+        self._external = ExternalReads()
+        self._remove_param_access = install_param_access(blocks, self._on_param_read)
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
             model.register_forward_hook(self._root_post_forward),
@@ -224,6 +234,7 @@ class BlockScheduler:
 
     def reshard_all(self) -> None:
         """Reshard every gathered block but the persistent one (end of a step or of inference)."""
+        self._external.clear()
         for block in [*self.blocks, self.root]:
             if block.in_flight:
                 self._issue_through(block)
@@ -236,6 +247,8 @@ class BlockScheduler:
         if self.phase is Phase.BACKWARD:
             return
         self.phase = Phase.FORWARD
+        self._running = [self.root]
+        self._external.begin_call(self.root)
         self.forward_trace.start_pass()
         self._ensure_gathered(self.persistent)
         self._ensure_gathered(self.root)
@@ -245,6 +258,8 @@ class BlockScheduler:
             return
         self.forward_trace.end_pass()
         self.phase = Phase.IDLE
+        self._running = []
+        self._external.end_call(self.root)  # what the root read stays gathered (held_for_step) or is resharded now
         if not torch.is_grad_enabled():
             self.reshard_all()
 
@@ -259,6 +274,8 @@ class BlockScheduler:
             self._ensure_gathered(block)
             if position is not None:
                 self._prefetch(self.forward_trace.upcoming(position), block.index)
+            self._running.append(block)
+            self._external.begin_call(block)
             self._open(block)
 
         return hook
@@ -272,15 +289,49 @@ class BlockScheduler:
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
                     torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward_hook(block), mode="any")
-            position = self._position.get(block.index)
-            if position is not None:
-                distance = self.forward_trace.next_use_distance(position, block.index, lambda i: self.blocks[i].numel)
-                if distance is not None and distance <= self.max_reuse_distance_elems:
-                    return output
-            block.reshard()
+            if self._running and self._running[-1] is block:
+                self._running.pop()
+            for read in self._external.end_call(block):
+                self._release_after_use(read)
+            self._release_after_use(block)
             return output
 
         return hook
+
+    def _release_after_use(self, block: ShardedBlock) -> None:
+        """Reshard `block` after a forward use unless it runs again soon, is still running, or is held."""
+        if block in self._running or block in self._external.held_for_step:
+            return
+        position = self._position.get(block.index)
+        if position is not None:
+            distance = self.forward_trace.next_use_distance(position, block.index, lambda i: self.blocks[i].numel)
+            if distance is not None and distance <= self.max_reuse_distance_elems:
+                return
+        block.reshard()
+
+    # -- parameters read outside their block -----------------------------------------------------
+
+    def _on_param_read(self, block: ShardedBlock) -> None:
+        """A parameter of `block` was read by name (`param_access`): gather the block if the read comes from
+        outside it. Only forward and backward gather; reads between steps see what is there."""
+        if self.phase is Phase.IDLE or block in self._running:
+            return
+        if self.phase is Phase.BACKWARD:  # recomputation inside backward: held until its gradients are complete
+            if not block.unsharded:
+                self._ensure_gathered(block)
+            return
+        reader = self._running[-1] if self._running else self.root
+        if not self._external.note(reader, block):  # read again in the same call
+            if not block.unsharded:
+                self._ensure_gathered(block)
+            return
+        position = self.forward_trace.visit(block.index)
+        self._position[block.index] = position
+        self._ensure_gathered(block)
+        if position is not None:
+            self._prefetch(self.forward_trace.upcoming(position))
+        if reader is self.root and torch.is_grad_enabled():
+            self._external.held_for_step.add(block)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -288,6 +339,9 @@ class BlockScheduler:
         """Called before autograd runs: recomputation (checkpointing) inside it is not a forward pass."""
         self.phase = Phase.BACKWARD
         self.backward_trace.start_pass()
+        for block in self._external.held_for_step:  # the root's first backward nodes may need them
+            if not block.unsharded:
+                self._ensure_gathered(block)
 
     def _pre_backward_hook(self, block: ShardedBlock):
         def hook(grad) -> None:
@@ -298,6 +352,10 @@ class BlockScheduler:
             self._ensure_gathered(block)
             if position is not None:
                 self._prefetch(self.backward_trace.upcoming(position), block.index)
+            for read in self._external.read_by(block):  # its backward reads them: held until their grads are done
+                self.backward_trace.visit(read.index)
+                if not read.unsharded:
+                    self._ensure_gathered(read)
             self._open(block)
 
         return hook
@@ -309,6 +367,7 @@ class BlockScheduler:
                 block.grads_ready = 0
                 self._issue_all()  # the reduction's collectives come after every gather issued so far
                 self.on_block_grads(block)
+                self._external.held_for_step.discard(block)
                 block.reshard()
 
         return hook
@@ -329,3 +388,4 @@ class BlockScheduler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._remove_param_access()
