@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from infinity.comm import CommGroup, init_distributed
+from infinity.comm import CommGroup, bind_compute_device, comm_device, init_distributed
 from infinity.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, share_updated_partitions
 from infinity.engine.host_memory import limit_freed_memory
+from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import plan_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.sharding import shard_model
@@ -37,7 +38,8 @@ from infinity.storage import MoveCounter, Tier, TierStore
 
 
 def compute_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """This rank's compute device, bound as the current CUDA device (see `bind_compute_device`)."""
+    return bind_compute_device()
 
 
 def _hidden_size(model: nn.Module) -> int | None:
@@ -91,7 +93,8 @@ class InfinityEngine:
         cfg = load_config(config)
         device = compute_device()
         rank, world = init_distributed(device, cfg.zero_optimization.comm_timeout_s)
-        self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
+        group = dist.group.WORLD if world > 1 else None
+        self.comm = CommGroup(rank, world, group, device=comm_device(device, group))
         self.config = cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
@@ -179,9 +182,11 @@ class InfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        """Run the module; tensors among the inputs in CPU memory move to the compute device first (`inputs`)."""
         if self.micro_steps % self.gradient_accumulation_steps == 0 and self.scheduler.phase.value == "idle":
             self.prof.begin_step(self.global_steps)
         self.prof.set_phase("forward")
+        args, kwargs = move_inputs(args, kwargs, self.device)
         return self.module(*args, **kwargs)
 
     def _record_live_bytes(self) -> None:
