@@ -105,11 +105,15 @@ def train_infinity(kind: str, config: dict, steps: int, micro_bs: int, seed: int
         losses.append(step_loss)
     result = {"losses": losses, "state": engine.full_state_dict(), "skipped": engine.skipped_steps}
     result["stepped_in_backward"] = getattr(engine.optimizer, "stepped_in_backward", 0)
+    result["bytes_moved"] = engine.bytes_moved
+    result["trainable_shard_elems"] = sum(f.shard_numel for f in engine.flats if f.requires_grad)
     engine.close()
     return result
 
 
-def reference_run(kind: str, steps: int, global_bs: int, grad_accum: int, clip: float, dtype: torch.dtype, seed=0):
+def reference_run(
+    kind: str, steps: int, global_bs: int, grad_accum: int, clip: float, dtype: torch.dtype, seed=0, device="cpu"
+):
     return train_reference(
         lambda: make_model(kind, seed),
         batches(kind, global_bs, seed=seed),
@@ -119,6 +123,7 @@ def reference_run(kind: str, steps: int, global_bs: int, grad_accum: int, clip: 
         grad_clip=clip,
         grad_accum=grad_accum,
         dtype=dtype,
+        device=device,
     )
 
 
