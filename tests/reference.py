@@ -31,6 +31,7 @@ def train_reference(
     grad_clip: float = 0.0,
     grad_accum: int = 1,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train `model_fn()` for `steps` optimizer steps; return (per-step loss, final fp32 state_dict).
 
@@ -38,11 +39,12 @@ def train_reference(
     initial weights on every call (seed inside it); the model's forward is `model(x, y) -> (out, loss)`.
     With `dtype=torch.bfloat16` the forward and backward run on a bf16 copy while fp32 master weights,
     fp32-accumulated gradients, clipping and AdamW stay in fp32 (mixed precision as DeepSpeed's bf16).
+    Training runs on `device` (the batches are moved there); the returned state is on the CPU.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"train_reference supports float32 and bfloat16, not {dtype}")
-    master = model_fn().float()
-    compute = master if dtype == torch.float32 else model_fn().to(dtype)
+    master = model_fn().float().to(device)
+    compute = master if dtype == torch.float32 else model_fn().to(device, dtype)
     if compute is not master:
         compute.load_state_dict(master.state_dict())
     params = list(master.parameters())
@@ -53,7 +55,7 @@ def train_reference(
         opt.zero_grad(set_to_none=True)
         step_loss = 0.0
         for _ in range(grad_accum):
-            x, y = (t.to(dtype) if t.is_floating_point() else t for t in next(it))
+            x, y = (t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in next(it))
             _, loss = compute(x, y)
             (loss / grad_accum).backward()
             step_loss += loss.item() / grad_accum
@@ -70,4 +72,4 @@ def train_reference(
                 for p, q in zip(params, compute.parameters(), strict=True):
                     q.copy_(p)
         losses.append(step_loss)
-    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+    return losses, {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}

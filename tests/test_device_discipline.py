@@ -12,7 +12,9 @@ from collections import namedtuple
 import pytest
 import torch
 import torch.distributed as dist
+from device_check import DeviceMixCheck
 from dist import run_distributed
+from engine_cases import batches, ds_config, make_model
 from engine_features_cases import build, feature_config
 
 import infinity
@@ -183,3 +185,40 @@ def test_a_cpu_only_machine_computes_and_communicates_on_the_cpu():
         assert engine.device == engine.comm.device == torch.device("cpu")
     finally:
         engine.close()
+
+
+# -- the step's ops ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_device_mix_check_flags_mixed_ops_and_lets_copies_and_scalars_pass():
+    """The checker `test_gpu` runs training under, checked on ops a CPU-only machine can dispatch."""
+    meta = torch.device("meta")
+    with DeviceMixCheck(torch.device("cpu")) as check:
+        a = torch.ones(3)
+        _ = a * torch.tensor(2.0)  # a 0-dim CPU tensor: a scalar to any kernel
+        _ = a.to(meta)  # a copy between devices: what moves bytes
+        with pytest.raises(RuntimeError):
+            _ = a + torch.ones(3, device=meta)  # torch refuses it too, after the check saw it
+        _ = torch.ones(3, device=meta, requires_grad=True) * 2  # a tensor requiring grad off the compute device
+    assert len(check.violations) == 2, check.violations
+    assert "mixes devices ['cpu', 'meta']" in check.violations[0]
+    assert "requiring grad on meta, not cpu" in check.violations[1]
+
+
+@cpu_compute
+def test_training_with_the_device_apart_passes_the_device_mix_check():
+    cfg = ds_config(micro_bs=2, grad_accum=2, offload_param="cpu", offload_optimizer="cpu", dtype="bf16")
+    cfg["zero_optimization"]["device_budget_bytes"] = 64 << 20
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    data = batches("gpt", 2)
+    try:
+        with DeviceMixCheck(engine.device) as check:
+            for _ in range(4):
+                x, y = next(data)
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+    finally:
+        engine.close()
+    assert check.ops > 1000 and check.violations == []
