@@ -1,7 +1,8 @@
 """`make gpu-check`: on a machine with a GPU, build what is missing, run the `cuda` tests and a short GPU
 benchmark, and print one JSON line; on a CPU-only machine, say so in one line and exit 0.
 
-    python tools/gpu_check.py [--budget-s 470] [--model 1b] [--batch 8] [--seq 1024] [--skip-tests] [--skip-bench]
+    python tools/gpu_check.py [--budget-s 470] [--model 1b] [--batch 8] [--seq 1024] [--log-dir DIR]
+                              [--skip-tests] [--skip-bench]
 
 Parts, each in its own process (group) with a timeout inside the whole budget (8 minutes by default), so
 one that fails or hangs is reported in the JSON and the others still run:
@@ -50,9 +51,12 @@ CAP_OTHER_S = 100
 # -- the parent: parts in subprocesses, one JSON line ------------------------------------------------------
 
 
-def run_part(cmd: list[str], timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
-    """Run `cmd` in its own process group; its exit code, seconds and output tail (the group is killed at
-    the timeout, stray ranks included)."""
+LOG_DIR: Path | None = None  # --log-dir: each part's whole output is kept there
+
+
+def run_part(cmd: list[str], timeout_s: float, env: dict[str, str], name: str | None = None) -> dict[str, Any]:
+    """Run `cmd` in its own process group; its exit code, seconds and output (the group is killed at the
+    timeout, stray ranks included)."""
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -68,6 +72,8 @@ def run_part(cmd: list[str], timeout_s: float, env: dict[str, str]) -> dict[str,
     with contextlib.suppress(ProcessLookupError):  # anything it left behind (forked ranks)
         os.killpg(proc.pid, signal.SIGKILL)
     result: dict[str, Any] = {"rc": proc.returncode, "s": round(time.monotonic() - start, 1), "out": out or ""}
+    if LOG_DIR is not None and name is not None:
+        (LOG_DIR / f"{name}.log").write_text(" ".join(cmd) + "\n" + result["out"])
     if timed_out:
         result["error"] = f"timed out after {timeout_s:.0f} s"
     elif proc.returncode != 0:
@@ -104,7 +110,7 @@ def install(py: str, env: dict[str, str], budget: Budget) -> dict[str, Any]:
     probe = [py, "-c", "import infinity._native"]
     if run_part(probe, 60, env)["rc"] == 0:
         return {"built": False, "s": 0.0}
-    built = run_part([py, "setup.py", "-q", "build_ext", "--inplace"], budget.for_part("install"), env)
+    built = run_part([py, "setup.py", "-q", "build_ext", "--inplace"], budget.for_part("install"), env, "install")
     if "error" in built:
         return {"error": built["error"], "tail": _tail(built["out"])}
     return {"built": True, "s": built["s"]}
@@ -113,7 +119,7 @@ def install(py: str, env: dict[str, str], budget: Budget) -> dict[str, Any]:
 def run_tests(py: str, env: dict[str, str], budget: Budget, need_passes: bool) -> dict[str, Any]:
     cmd = [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     cmd.append("tests/")
-    part = run_part(cmd, budget.for_part("tests"), env)
+    part = run_part(cmd, budget.for_part("tests"), env, "tests")
     summary = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
     counts = re.compile(r"\d+ (passed|failed|error|skipped)")
     last = next((ln for ln in reversed(part["out"].splitlines()) if counts.search(ln)), "")
@@ -148,7 +154,7 @@ def bench(py: str, env: dict[str, str], budget: Budget, args: argparse.Namespace
                "--seq", str(args.seq), "--nvme-path", args.nvme_path, "--time-limit-s", str(timeout - 15)]  # fmt: skip
         if args.smoke_on_cpu:
             cmd.append("--smoke-on-cpu")
-        part = run_part(cmd, timeout, child_env)
+        part = run_part(cmd, timeout, child_env, name)
         record = _last_json(part["out"])
         if record is None:
             record = {"error": part.get("error", "no result"), "tail": _tail(part["out"])}
@@ -188,6 +194,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--nvme-path", default=DEFAULT_NVME_PATH, help="folder for the NVMe swap files")
+    parser.add_argument("--log-dir", help="keep each part's whole output there (<part>.log)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--smoke-on-cpu", action="store_true", help="develop without a GPU: a tiny model on the CPU")
@@ -200,6 +207,10 @@ def main() -> int:
 
     import torch
 
+    global LOG_DIR
+    if args.log_dir:
+        LOG_DIR = Path(args.log_dir)
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
     if args.smoke_on_cpu:
         args.model, args.batch, args.seq = "tiny", 2, 32
     elif not torch.cuda.is_available():
