@@ -1,13 +1,15 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train   install, then run the default training job
 #   make test    install, then run the test suite (this is what CI runs)
+#   make gpu-check  on a GPU machine: the cuda tests and a short GPU benchmark, one JSON line (no venv, no
+#                   download: the machine's own Python with torch; on a CPU-only machine it says so and exits 0)
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-unit lint bench clean
+.PHONY: install train test test-unit lint bench gpu-check clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.cpp native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +33,10 @@ test-unit: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_adam.py --json
+
+# The venv's Python where there is one, else the machine's (a GPU image's torch; nothing is installed from the net).
+gpu-check:
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info infinity/_native*.so

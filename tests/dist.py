@@ -48,7 +48,17 @@ def _context() -> mp.context.BaseContext:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, timeout_s: float, init_pg: bool, num_threads: int, conn, fn, args, kwargs
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    init_pg: bool,
+    backend: str,
+    num_threads: int,
+    conn,
+    fn,
+    args,
+    kwargs,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -63,8 +73,10 @@ def _worker(
     torch.set_num_threads(num_threads)
     torch.set_flush_denormal(True)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, bound before the group (as the engine does)
         if init_pg:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         payload = ("ok", pickle.dumps(fn(*args, **kwargs)))
     except BaseException as e:  # noqa: B036 - everything a rank raises must reach the parent
         tb = traceback.format_exc()
@@ -87,13 +99,15 @@ def run_distributed(
     timeout_s: float = 120,
     init_process_group: bool = True,
     num_threads: int = 1,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks and return their results in rank order.
 
-    With `init_process_group` the harness joins a Gloo group before calling `fn`; otherwise `fn` does it
-    from the environment. If a rank raises, all ranks are killed and `RankError` (chained to the original)
-    names the rank and carries its traceback. Past `timeout_s` the ranks still running dump their stacks
+    With `init_process_group` the harness joins a Gloo group (or with `backend="nccl"` an NCCL one, rank r
+    bound to GPU r first) before calling `fn`; otherwise `fn` does it from the environment. If a rank
+    raises, all ranks are killed and `RankError` (chained to the original) names the rank and carries its
+    traceback. Past `timeout_s` the ranks still running dump their stacks
     to stderr, are killed, and `TimeoutError` names them.
     """
     ctx = _context()
@@ -105,7 +119,19 @@ def run_distributed(
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, store.port, timeout_s, init_process_group, num_threads, send, fn, args, kwargs),
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    timeout_s,
+                    init_process_group,
+                    backend,
+                    num_threads,
+                    send,
+                    fn,
+                    args,
+                    kwargs,
+                ),
                 name=f"rank{rank}",
                 daemon=True,
             )

@@ -148,6 +148,24 @@ def test_low_precision_grads_match_torch_fed_their_float_value(path, grad_dtype,
     torch.testing.assert_close(p, ref.detach(), **torch_tolerance(steps, LR))
 
 
+@pytest.mark.parametrize("n", (17, 1023, 100_003))
+@pytest.mark.parametrize("grad_scale", (1.0, 0.37))
+@pytest.mark.parametrize("grad_dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("path", PATHS)
+def test_16_bit_grads_step_bit_for_bit_like_their_fp32_promotion(path, grad_dtype, grad_scale, n):
+    """What the engine relies on when gradients cross from the GPU in the compute dtype: the kernel fed the
+    16-bit gradient gives exactly what it gives fed the same values promoted to fp32 (and the same copy-out)."""
+    low = (random_state(n)[0], torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16))
+    promoted = tuple(t.clone() for t in low)
+    for step, g in enumerate(random_grads(n, 4, grad_dtype), start=1):
+        for (p, m, v, out), grad in ((low, g), (promoted, g.float())):
+            adam_step_flat(
+                p, grad, m, v, step=step, grad_scale=grad_scale, out_copy=out, simd=path, **flat_kwargs("adamw")
+            )
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "copy-out"), low, promoted, strict=True):
+        assert_bitwise(a, b, name)
+
+
 @pytest.mark.parametrize("grad_dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("path", PATHS)
 def test_every_16_bit_grad_value_converts_like_torch(path, grad_dtype):

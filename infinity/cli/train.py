@@ -186,7 +186,7 @@ def build_config(
 
 
 def _mean_over_ranks(engine, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=engine.comm.device)  # NCCL reduces GPU tensors only
     if engine.comm.world_size > 1:
         engine.comm.all_reduce(t, "loss for the progress display")
         t /= engine.comm.world_size

@@ -2,15 +2,18 @@
 heartbeat that ends a run whose peer has stopped."""
 
 from infinity.comm.abort import end_process
-from infinity.comm.collectives import CommError, CommGroup
+from infinity.comm.collectives import CommDeviceError, CommError, CommGroup
 from infinity.comm.heartbeat import Heartbeat, PeerSilentError, start_heartbeat
-from infinity.comm.process_group import init_distributed
+from infinity.comm.process_group import bind_compute_device, comm_device, init_distributed
 
 __all__ = [
+    "CommDeviceError",
     "CommError",
     "CommGroup",
     "Heartbeat",
     "PeerSilentError",
+    "bind_compute_device",
+    "comm_device",
     "end_process",
     "init_distributed",
     "start_heartbeat",

@@ -1,7 +1,9 @@
 """Collectives on flat 1-D buffers; with world size 1 they are local copies and need no process group.
 
 Every collective names what it was moving when it fails, so a rank that died shows up as a clear
-error on its peers (after the process group's timeout at worst), not a hang.
+error on its peers (after the process group's timeout at worst), not a hang. Every collective also
+checks that its tensors live on the group's device (NCCL: this rank's GPU; Gloo: the CPU), with one
+rank too, so a tensor on the wrong side of the bus is an error naming it on a CPU-only machine as well.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 class CommError(RuntimeError):
     """A collective failed, typically because a peer rank died or timed out."""
+
+
+class CommDeviceError(ValueError):
+    """A collective was handed a tensor that does not live on the group's device."""
 
 
 class _Work:
@@ -39,11 +45,13 @@ class _Work:
 
 @dataclass(frozen=True)
 class CommGroup:
-    """The data-parallel group: this rank, the world size, and the torch process group (None if 1)."""
+    """The data-parallel group: this rank, the world size, the torch process group (None if 1) and the
+    device every collective's tensors live on (`comm_device`)."""
 
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None
+    device: torch.device = torch.device("cpu")
 
     @property
     def distributed(self) -> bool:
@@ -55,8 +63,18 @@ class CommGroup:
             "a peer rank has probably died or is stuck: check the other ranks' logs"
         )
 
+    def _check_device(self, op: str, what: str, **tensors: torch.Tensor) -> None:
+        for role, tensor in tensors.items():
+            if tensor.device != self.device:
+                raise CommDeviceError(
+                    f"rank {self.rank}/{self.world_size}: {op} of {what}: its {role} tensor is on {tensor.device}, "
+                    f"but this group's collectives take tensors on {self.device}; move it there first "
+                    f"(.to({str(self.device)!r}))"
+                )
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """Fill `full` (world_size x shard.numel()) with every rank's shard, in rank order."""
+        self._check_device("all-gather", what, output=full, input=shard)
         if not self.distributed:
             full.copy_(shard)
             return None
@@ -69,6 +87,7 @@ class CommGroup:
     def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """Write into `shard` this rank's slice of the sum of `full` over ranks; a work handle if `async_op`
         (keep both buffers alive until it is waited for), else None."""
+        self._check_device("reduce-scatter", what, output=shard, input=full)
         if not self.distributed:
             shard.copy_(full)
             return None
@@ -93,6 +112,7 @@ class CommGroup:
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False):
         """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`, or with `async_op` a work handle
         (None with one rank)."""
+        self._check_device("all-reduce", what, buffer=tensor)
         if not self.distributed:
             return None if async_op else tensor
         red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
@@ -105,6 +125,7 @@ class CommGroup:
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        self._check_device("broadcast", what, buffer=tensor)
         if self.distributed:
             try:
                 dist.broadcast(tensor, src=src, group=self.group)

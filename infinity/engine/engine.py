@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from infinity.comm import CommGroup, init_distributed
+from infinity.comm import CommGroup, bind_compute_device, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling, share_updated_partitions
 from infinity.engine.host_memory import limit_freed_memory
+from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import MemoryPlan, check_host_budget, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.sharding import shard_model
@@ -45,7 +46,8 @@ from infinity.storage import MoveCounter, Recorder, Tier, TierStore, check_free_
 
 
 def compute_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """This rank's compute device, bound as the current CUDA device (see `bind_compute_device`)."""
+    return bind_compute_device()
 
 
 def _hidden_size(model: nn.Module) -> int | None:
@@ -129,7 +131,8 @@ class InfinityEngine:
         cfg = load_config(config)
         device = compute_device()
         rank, world = init_distributed(device, cfg.zero_optimization.comm_timeout_s)
-        self.comm = CommGroup(rank, world, dist.group.WORLD if world > 1 else None)
+        group = dist.group.WORLD if world > 1 else None
+        self.comm = CommGroup(rank, world, group, device=comm_device(device, group))
         # a stopped peer ends the run after heartbeat_timeout_s, not comm_timeout_s (unless the caller,
         # such as `infinity train`, watches the peers already)
         self._heartbeat = start_heartbeat(rank, world, cfg.zero_optimization.heartbeat_timeout_s, end_on_silence)
@@ -247,11 +250,13 @@ class InfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        """Run the module; tensors among the inputs in CPU memory move to the compute device first (`inputs`)."""
         if self.micro_steps % self.gradient_accumulation_steps == 0 and self.scheduler.phase.value == "idle":
             self.prof.begin_step(self.global_steps)
             for tier in Tier:  # each step's peak is its own
                 self.tiers.reset_high_water(tier)
         self.prof.set_phase("forward")
+        args, kwargs = move_inputs(args, kwargs, self.device)
         with self.wall_clock.time("forward"):
             return self.module(*args, **kwargs)
 

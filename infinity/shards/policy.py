@@ -62,6 +62,9 @@ class Placement:
     compute_device: torch.device
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype  # gradients cross ranks in it (`communication_data_type`), summed in fp32 after
+    # the device tier is memory apart from the host's (a GPU; a CPU-only machine given device_budget_bytes):
+    # bytes between them cross on the copy stream, gradients in the compute dtype
+    device_apart: bool
     world_size: int
     stage: int  # ZeRO stage: 3 partitions parameters; 1 and 2 keep them replicated (and resident)
     grad_reduction: GradReduction
@@ -84,6 +87,16 @@ class Placement:
     def compute_in_host_memory(self) -> bool:
         """The compute reads shards straight from host memory (a CPU-only machine without a device pool)."""
         return self.gather_from is Tier.HOST
+
+    @property
+    def grads_cross_to_host(self) -> bool:
+        """Gradients computed in device memory are summed in host memory (or on NVMe through it)."""
+        return self.device_apart and self.optim_home is not Tier.DEVICE
+
+    @property
+    def weights_cross_to_device(self) -> bool:
+        """The optimizer steps in host memory and the parameter shard lives in device memory."""
+        return self.device_apart and self.param_home is Tier.DEVICE and self.optim_home is not Tier.DEVICE
 
     @property
     def gather_waits_on(self) -> str:
@@ -156,6 +169,7 @@ def resolve_placement(
         compute_device=compute_device,
         compute_dtype=dtype,
         reduce_dtype=reduce_dtype,
+        device_apart=not host_is_compute,
         world_size=world_size,
         stage=z.stage,
         grad_reduction=reduction,

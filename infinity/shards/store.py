@@ -15,6 +15,11 @@ buffers for one in-place optimizer step and `give_back` them. Gradients enter th
 An update may be owed to a shard (`owe`: its step was deferred until the shard is next needed); every
 verb that reads or replaces a shard's bytes settles what is owed to it first, so nobody ever sees the
 bytes before the step they are waiting for.
+
+Where the device is apart from the host (`Placement.device_apart`), gradients cross to the host in the
+compute dtype and new weights cross back through `crossing.DeviceHostCopies`: a gradient is summed into
+its host accumulator (promoted to fp32 there) when the next one has started its copy, or before anyone
+reads the accumulators (`finish_grad_writes`, `read`, `lend`, `final_grad`, `zero_grad`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from infinity.comm import CommGroup
 from infinity.partition.flat_param import FlatParam
 from infinity.shards import registry
+from infinity.shards.crossing import DeviceHostCopies, StagedCopy
 from infinity.shards.moments import MOMENT_NAMES, decode, encode, moment_format, packed_views
 from infinity.shards.policy import Placement
 from infinity.storage import FetchHandle, MoveHandle, Tier, TierStore, aligned_empty
@@ -42,6 +48,7 @@ class ShardKind(str, enum.Enum):
 
 
 OPTIM_KINDS = (ShardKind.MASTER, ShardKind.MOMENTS)
+GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
 
 
 @dataclass
@@ -67,6 +74,7 @@ class LentShard:
     grad: torch.Tensor | None
     param_out: torch.Tensor | None
     fetched: list[Hashable] = field(default_factory=list)  # keys whose host copies are held
+    staged_out: StagedCopy | None = None  # `param_out`'s pinned buffer, when the new weights cross to the device
 
     @property
     def exp_avg(self) -> torch.Tensor:
@@ -95,6 +103,9 @@ class Returned:
                 self._store.tiers.release(key, Tier.HOST)
                 self._store.tiers.evict(key)
             self._lent.fetched = []
+            if self._lent.staged_out is not None:  # after the copy to the device read it
+                self._store.crossing.release(self._lent.staged_out)
+                self._lent.staged_out = None
 
 
 class ShardStore:
@@ -118,7 +129,8 @@ class ShardStore:
         self._views: dict[Hashable, torch.Tensor] = {}  # home copies in memory, by key
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
         self._owed: dict[FlatParam, Callable[[FlatParam], None]] = {}  # updates not yet applied
-        self.grad_bytes_to_host = 0  # gradient bytes copied from device memory into the host accumulators
+        self.crossing = DeviceHostCopies(tiers.copies, placement.compute_dtype)
+        self._grads_crossing: deque[tuple[FlatParam, bool, StagedCopy]] = deque()  # copies to the host in flight
         self.param_bytes_fetched = 0  # parameter shard bytes gathers asked to move from their home tier
 
     # -- declared memory bounds (the memory plan sums them) ----------------------------------------
@@ -128,6 +140,16 @@ class ShardStore:
         """Host memory for NVMe parameter shards in flight: one being gathered, one being written, and the
         `held_elems` fetched ahead and held until their gather (where gathers read host copies)."""
         return (held_elems + 2 * shard_elems) * itemsize
+
+    @staticmethod
+    def grad_staging_bytes(shard_elems: int, itemsize: int) -> int:
+        """Pinned host memory for gradients crossing from the device: one in flight, one being summed."""
+        return (GRADS_IN_FLIGHT + 1) * shard_elems * itemsize
+
+    @property
+    def grad_bytes_to_host(self) -> int:
+        """Gradient bytes copied from device memory to the host (in the compute dtype)."""
+        return self.crossing.grad_bytes_to_host
 
     @staticmethod
     def grad_accumulation_bytes(shard_elems: int) -> int:
@@ -209,6 +231,7 @@ class ShardStore:
         self.finish_grad_writes()
         registry.forget(self)
         self.tiers.close()
+        self.crossing.close()
 
     # -- reading and assigning --------------------------------------------------------------------
 
@@ -219,6 +242,7 @@ class ShardStore:
         """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 for MASTER and GRAD,
         the packed bytes for MOMENTS: see `read_moments`)."""
         self.settle(flat)
+        self._land_grads()
         view = self.shard_view(flat, kind)
         if view is not None:
             return view.detach().to("cpu", copy=True)
@@ -342,8 +366,11 @@ class ShardStore:
     # -- gradients --------------------------------------------------------------------------------
 
     def grad_accumulator(self, flat: FlatParam) -> torch.Tensor | None:
-        """The gradient accumulator where it lives in memory (written into directly), else None."""
+        """The gradient accumulator where the compute may write into it directly (memory on its side), else
+        None: gradients then come through `accumulate_grad`."""
         self.settle(flat)  # a deferred step still reads the last step's gradient from it
+        if self.placement.grads_cross_to_host:
+            return None
         return self.shard_view(flat, ShardKind.GRAD)
 
     def grad_written(self, flat: FlatParam, final: bool) -> None:
@@ -351,17 +378,39 @@ class ShardStore:
         record = self.records[flat]  # (grad_accumulator settled what was owed: it is read first)
         record.has_grad = True
         if final and self.placement.needs_grad_norm:
-            record.grad_norm_sq = _norm_sq(self.grad_accumulator(flat))
+            record.grad_norm_sq = _norm_sq(self.shard_view(flat, ShardKind.GRAD))
 
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
-        """Add one micro-batch's gradient shard (fp32, any device) into the accumulator; `final` marks the
-        last micro-batch before a step."""
+        """Add one micro-batch's gradient shard (in the compute's memory) into the accumulator; `final` marks
+        the last micro-batch before a step."""
         self.settle(flat)
+        if self.placement.grads_cross_to_host:
+            self._grads_crossing.append((flat, final, self.crossing.grad_to_host(grad)))
+            while len(self._grads_crossing) > GRADS_IN_FLIGHT:  # the next copy runs while this one is summed
+                self._land_grad(*self._grads_crossing.popleft())
+            return
+        self._add_grad(flat, grad, final)
+
+    def _land_grads(self) -> None:
+        """Sum every gradient still crossing into its accumulator."""
+        while self._grads_crossing:
+            self._land_grad(*self._grads_crossing.popleft())
+
+    def _land_grad(self, flat: FlatParam, final: bool, staged: StagedCopy) -> None:
+        try:
+            grad = staged.wait()
+            if self.shard_view(flat, ShardKind.GRAD) is None:  # on NVMe: written from a copy that outlives `staged`
+                grad = _fp32_copy(grad)
+            self._add_grad(flat, grad, final)
+        finally:
+            self.crossing.release(staged)
+
+    def _add_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
+        """`accumulate_grad` of a gradient on the accumulator's side (host gradients in the compute dtype are
+        promoted to fp32 as they are added)."""
         record = self.records[flat]
-        view = self.grad_accumulator(flat)
+        view = self.shard_view(flat, ShardKind.GRAD)
         if view is not None:
-            if grad.device.type == "cuda" and view.device.type == "cpu":
-                self.grad_bytes_to_host += grad.numel() * grad.element_size()
             grad = grad.to(view.device)
             if record.has_grad:
                 view.add_(grad)
@@ -393,12 +442,21 @@ class ShardStore:
 
     def final_grad(self, flat: FlatParam, grad: torch.Tensor) -> torch.Tensor:
         """The step's whole gradient of `flat` (the accumulated earlier micro-batches plus `grad`), in host
-        memory, for a step taken as it arrives; the accumulator is left empty."""
+        memory, for a step taken as it arrives; the accumulator is left empty. Where gradients cross from
+        the device, the first micro-batch's comes in the compute dtype (the native Adam promotes it)."""
         self.settle(flat)
+        self._land_grads()
         record = self.records[flat]
-        grad = self._host_fp32(grad)
+        if self.placement.grads_cross_to_host:
+            staged = self.crossing.grad_to_host(grad)
+            try:
+                grad = staged.wait().clone()  # held by the stepper until stepped: not a pool buffer
+            finally:
+                self.crossing.release(staged)
+        else:
+            grad = self._host_fp32(grad)
         if record.has_grad:
-            view = self.grad_accumulator(flat)
+            view = self.shard_view(flat, ShardKind.GRAD)
             if view is not None:
                 grad = view.to("cpu").add(grad)
             else:
@@ -412,12 +470,13 @@ class ShardStore:
         record.has_grad = True  # consumed by the step as it arrives; zero_grad clears it
         return grad
 
-    def _host_fp32(self, grad: torch.Tensor) -> torch.Tensor:
-        if grad.device.type == "cuda":
-            self.grad_bytes_to_host += grad.numel() * grad.element_size()
+    @staticmethod
+    def _host_fp32(grad: torch.Tensor) -> torch.Tensor:
         return grad.to("cpu", torch.float32)
 
     def finish_grad_writes(self) -> None:
+        """Sum the gradients still crossing from the device, and finish their writes to NVMe."""
+        self._land_grads()
         while self._grad_writes:
             self._grad_writes.popleft()[0].wait()
 
@@ -434,6 +493,7 @@ class ShardStore:
         return total
 
     def zero_grad(self) -> None:
+        self._land_grads()
         for record in self.records.values():
             record.has_grad = False
             record.grad_norm_sq = None
@@ -450,6 +510,8 @@ class ShardStore:
         """`flat`'s master, moments (and gradient sum) for one in-place step: the home buffers in memory, or
         host copies read from NVMe (waiting for them); give them back with `give_back`."""
         self.settle(flat)
+        if with_grad:
+            self._land_grads()
         fetched: list[Hashable] = []
 
         def buffer(kind: ShardKind) -> torch.Tensor:
@@ -469,7 +531,14 @@ class ShardStore:
             raise
         packed = packed.view(torch.uint8)
         moments = packed_views(packed, self.placement.moments, flat.shard_numel)
-        return LentShard(flat, master, packed, moments, grad, self._param_out(flat, master), fetched)
+        lent = LentShard(flat, master, packed, moments, grad, None, fetched)
+        if self.placement.weights_cross_to_device and not self.placement.master_is_param:
+            # stepped on the host into a pinned buffer, then copied up to the parameter shard (`give_back`)
+            lent.staged_out = self.crossing.buffer(flat.shard_numel, self.placement.compute_dtype)
+            lent.param_out = lent.staged_out.host
+        else:
+            lent.param_out = self._param_out(flat, master)
+        return lent
 
     def _param_out(self, flat: FlatParam, master: torch.Tensor) -> torch.Tensor | None:
         p = self.placement
@@ -495,13 +564,22 @@ class ShardStore:
         if out is not None:
             if not param_written:
                 out.copy_(lent.master)
-            if view is not None and out.data_ptr() != view.data_ptr():
+            if lent.staged_out is not None:  # the compute stream waits for it; `finish` frees the buffer after it
+                self.crossing.to_device(view, lent.staged_out)
+            elif view is not None and out.data_ptr() != view.data_ptr():
                 view.copy_(out)  # a host-stepped shard whose parameters live in device memory
             elif view is None:
                 writes.append(self.tiers.write(param_key, out))
         if p.param_home is not Tier.NVME:
             self.tiers.evict(param_key)  # copies above the home are stale
         return Returned(self, lent, writes)
+
+
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of a host tensor, 4 KiB-aligned so that an NVMe write reads it in place."""
+    out = aligned_empty(t.numel() * 4).view(torch.float32)
+    out.copy_(t)
+    return out
 
 
 def _norm_sq(t: torch.Tensor) -> float:

@@ -35,7 +35,7 @@ class TierBudgets:
 class Copy:
     """A shard's bytes on the device or host tier: the home copy, or a cache of it."""
 
-    __slots__ = ("tier", "buf", "refs", "home", "prefetched", "ready", "error", "finish", "claimed")
+    __slots__ = ("tier", "buf", "refs", "home", "prefetched", "ready", "error", "finish", "claimed", "done")
 
     def __init__(self, tier: Tier, buf: torch.Tensor, refs: int = 0, home: bool = False, prefetched: bool = False):
         self.tier = tier
@@ -48,6 +48,9 @@ class Copy:
         # Finishes the load (once, whoever calls first): a waiter calls it to skip the mover's hop.
         self.finish: Callable[[], None] | None = None
         self.claimed = False
+        # A device copy's bytes may still be on their way when `ready` is set: consumers wait on this
+        # (`CopyDone`) on their own stream; None once complete.
+        self.done = None
         if home:
             self.ready.set()
 
@@ -121,6 +124,9 @@ class FetchHandle:
         if self._copy.error is not None:
             raise self._copy.error
         view = self._shard.view(self._copy)
+        done = self._copy.done
+        if done is not None:  # the copy into this device copy may still run: the caller's stream waits for it
+            done.wait_on_current_stream()
         if view.is_cuda:
             # The copy ran on the store's side stream; the caller's stream now uses the memory too.
             view.record_stream(torch.cuda.current_stream(view.device))
@@ -137,6 +143,12 @@ class Completer:
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
+
+    def flush(self) -> None:
+        """Return once every job submitted so far has run (never call it from a job)."""
+        ran = threading.Event()
+        self._jobs.put(ran.set)
+        ran.wait()
 
     def close(self) -> None:
         """Finish every submitted job, then stop."""

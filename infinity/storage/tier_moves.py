@@ -26,6 +26,7 @@ from infinity.storage.errors import StorageError, SwapFileChangedError, SwapFile
 from infinity.storage.moves import Completer, Copy, MoveHandle, Shard, Tier, TierBudgets
 from infinity.storage.nvme_file import NvmeFile
 from infinity.storage.recorder import MoveEvent, Recorder
+from infinity.storage.streams import DONE, CopyDone, CopyStream
 
 _HOLDERS = {"param": "param", "master": "optimizer", "moments": "optimizer", "grad": "grad"}
 
@@ -68,6 +69,7 @@ class TierMover:
             Tier.DEVICE: DeviceMemory(budgets.device_bytes, self.device, wait_timeout_s),
             Tier.HOST: BufferPool(budgets.host_bytes, pin_memory, timeout_s=wait_timeout_s),
         }
+        self.copies = CopyStream(self.device, self._mem[Tier.DEVICE].stream)  # every copy to or from the device
         for tier, mem in self._mem.items():
             mem.reclaim = lambda _nbytes, t=tier: self._reclaim(t, demand=True)
         self._file: NvmeFile | None = None
@@ -87,6 +89,7 @@ class TierMover:
                 return
             self._closed = True
         self._completer.close()
+        self.copies.close()
         if self._file is not None:
             self._file.close()
         self._mem[Tier.HOST].close()
@@ -133,22 +136,27 @@ class TierMover:
             source = staged or shard.copies.get(Tier.DEVICE if tier is Tier.HOST else Tier.HOST)
             if source is not None and source is not staged:
                 self._ref(shard, source)
+            # a device source may have been written by the caller's stream: the copy comes after that work
+            after = self.copies.mark() if source is not None and source.buf.is_cuda else None
             t0 = time.perf_counter_ns() if self._recorder is not None else 0
             # A write in flight is queued ahead of this move; its job reads only after the write is done.
             io = self._read_nvme(shard, buf) if source is None and shard.write_op is None else None
-            finish = functools.partial(self._finish_load, shard, copy, source, io, t0)
+            finish = functools.partial(self._finish_load, shard, copy, source, io, t0, after)
             if shard.write_op is None:  # else it must stay behind the write's job, in the mover's order
                 copy.finish = finish
             self._completer.submit(finish)
         return copy
 
-    def _finish_load(self, shard: Shard, copy: Copy, source: Copy | None, io, t0: int) -> None:
+    def _finish_load(
+        self, shard: Shard, copy: Copy, source: Copy | None, io, t0: int, after: CopyDone | None = None
+    ) -> None:
         with self._lock:
             claimed, copy.claimed = copy.claimed, True
         if claimed:  # the waiter or the mover is finishing it already
             copy.ready.wait()
             return
         error = None
+        in_flight = None  # a copy onto the device still running: its consumers wait on its event
         try:
             if source is not None and not source.ready.is_set():  # only when called ahead of the mover
                 (source.finish or source.ready.wait)()
@@ -164,16 +172,23 @@ class TierMover:
             else:
                 if source.error is not None:
                     raise source.error
-                self._copy_into(copy, source.buf[: shard.nbytes], shard.nbytes)
+                done = self._copy(
+                    copy.buf[: shard.nbytes], source.buf[: shard.nbytes], Tier.DEVICE in (copy.tier, source.tier), after
+                )
+                if copy.tier is Tier.DEVICE and not done.done():
+                    in_flight = copy.done = done
+                else:
+                    done.synchronize()  # host code reads a host copy as soon as it is ready
         except StorageError as exc:
             error = self._explain(shard, exc)
         except BaseException as exc:
             error = exc
         with self._lock:
-            if source is not None:
+            if source is not None and in_flight is None:
                 self._unref(shard, source)
             if error is None:
-                self._record(shard, source.tier if source is not None else Tier.NVME, copy.tier, t0)
+                if in_flight is None:  # else recorded once complete
+                    self._record(shard, source.tier if source is not None else Tier.NVME, copy.tier, t0)
             else:
                 copy.error = error
                 if shard.copies.get(copy.tier) is copy:
@@ -182,6 +197,16 @@ class TierMover:
             copy.finish = None  # the job refers back to the copy: break the cycle so freed buffers go at once
             if error is None and copy.refs == 0:
                 self._mem[copy.tier].poke()  # a waiter may reclaim this copy now that it is loaded
+        if in_flight is not None:  # the source is read until the copy completes: released after it, in order
+            self._completer.submit(functools.partial(self._finish_device_copy, shard, copy, source, in_flight, t0))
+
+    def _finish_device_copy(self, shard: Shard, copy: Copy, source: Copy, done: CopyDone, t0: int) -> None:
+        done.synchronize()
+        with self._lock:
+            if copy.done is done:
+                copy.done = None  # complete: later consumers need not wait
+            self._unref(shard, source)
+            self._record(shard, source.tier, copy.tier, t0)
 
     # ---- write: new contents to the home --------------------------------------------------------------
 
@@ -202,6 +227,7 @@ class TierMover:
         op = shard.write_op = MoveHandle()
         t0 = time.perf_counter_ns() if self._recorder is not None else 0
         src_tier = source.tier if source is not None else Tier.HOST if flat.device.type == "cpu" else Tier.DEVICE
+        after = self.copies.mark() if flat.is_cuda else None  # the caller's stream may still be writing `flat`
         io = None
         if shard.home is Tier.NVME:
             if staging is not None:
@@ -222,8 +248,10 @@ class TierMover:
                 if io is not None:
                     io.wait()
                     crc = io.crc32c
-                else:
-                    self._copy_into(shard.copies[shard.home], flat.view(torch.uint8), shard.nbytes)
+                else:  # the handle promises `flat` may be reused once done: wait for the copy
+                    home = shard.copies[shard.home].buf[: shard.nbytes]
+                    on_device = shard.home is Tier.DEVICE or flat.is_cuda
+                    self._copy(home, flat.view(torch.uint8), on_device, after).synchronize()
             except BaseException as exc:
                 error = exc
             if error is None:
@@ -288,14 +316,13 @@ class TierMover:
                 if not copy.home and copy.refs == 0:
                     self._free_copy(shard, copy)
 
-    def _copy_into(self, dst: Copy, src: torch.Tensor, nbytes: int) -> None:
-        stream = self._mem[Tier.DEVICE].stream
-        if stream is not None and (dst.buf.is_cuda or src.is_cuda):
-            with torch.cuda.stream(stream):
-                dst.buf[:nbytes].copy_(src, non_blocking=True)
-            stream.synchronize()  # the source buffer may be reused as soon as this returns
-        else:
-            copy_bytes(dst.buf[:nbytes], src)
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, on_device: bool, after: CopyDone | None) -> CopyDone:
+        """A copy that reads or writes device memory goes on the copy stream; one between host buffers is a
+        memcpy on this thread."""
+        if on_device:
+            return self.copies.copy(dst, src, after)
+        copy_bytes(dst, src)
+        return DONE
 
     # ---- memory: allocate, reclaim, free ------------------------------------------------------------
 
@@ -381,12 +408,17 @@ class TierMover:
 
     # ---- helpers --------------------------------------------------------------------------------------
 
-    def _pending(self, shard: Shard) -> Callable[[], object] | None:
-        """A wait for the next move in flight on `shard` (a write, or a load), or None when quiet."""
+    def _pending(self, shard: Shard, device_copies: bool = True) -> Callable[[], object] | None:
+        """A wait for the next move in flight on `shard` (a write, a load, with `device_copies` a copy onto the
+        device still reading its source), or None when quiet."""
         if shard.write_op is not None:
             return shard.write_op.wait_quietly
         loading = next((c for c in shard.copies.values() if not c.ready.is_set()), None)
-        return None if loading is None else loading.ready.wait
+        if loading is not None:
+            return loading.ready.wait
+        if device_copies and any(c.done is not None for c in shard.copies.values()):
+            return self._completer.flush  # a copy onto the device still reads its source: released after it
+        return None
 
     def _read_nvme(self, shard: Shard, buf: torch.Tensor) -> IoHandle:
         """Under the lock (or in the mover's order): a read of the key's slot, checked against its last write."""

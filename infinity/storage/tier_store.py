@@ -8,7 +8,8 @@ copies or moves the home down; `drop` forgets a key. Live bytes per tier never e
 (`stats` keeps the high-water marks). All methods are thread-safe.
 
 On a machine without CUDA the "device" tier is CPU memory with its own budget, so the same logic
-runs everywhere; with CUDA, copies to the device run on a side stream into device memory.
+runs everywhere; with CUDA, copies to and from the device run on a copy stream (`streams`): a fetch's
+wait() makes the caller's stream wait for the copy's event, and the source stays referenced until it is done.
 """
 
 from __future__ import annotations
@@ -260,7 +261,9 @@ class TierStore(TierMover):
         while True:
             with self._lock:
                 shard = self._get(key)
-                pending = self._pending(shard)
+                # freeing a device copy still being written is safe (the allocator orders its reuse after the
+                # copy; its source stays referenced): only moving the home down waits for such copies
+                pending = self._pending(shard, device_copies=to is not None)
                 if pending is None:
                     for copy in list(shard.copies.values()):
                         if not copy.home and copy.refs == 0:
