@@ -79,7 +79,7 @@ def _block_plan(model_name: str, seq: int | None, cfg):
 
 def _effective(names: list[str], knobs: dict, cfg, plan) -> list:
     """The knobs of `names` that change something here, each with only the values that do; notes on stderr."""
-    from infinity.engine.engine import compute_device
+    from infinity.engine.setup import compute_device
     from infinity.tuning.effects import effective_knob
 
     kept = []

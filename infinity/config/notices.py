@@ -26,8 +26,7 @@ NO_EFFECT: dict[str, str] = {
         "updated partitions always reach every rank by all-gather; there is no broadcast variant"
     ),
     "zero_optimization.round_robin_gradients": (
-        "gradients are reduced block by block as each block's backward ends; there is no per-rank copy order to "
-        "rotate"
+        "gradients are reduced block by block as each block's backward ends; there is no per-rank copy order to rotate"
     ),
     "zero_optimization.offload_optimizer.fast_init": (
         "optimizer state is written to its tier once per shard as the shard is created; there is no slower "

@@ -299,9 +299,7 @@ def _saved_step(folder: Path) -> int:
         return -1
 
 
-def newest_verified_checkpoint(
-    save_dir: str | os.PathLike, exclude: Collection[Path] = ()
-) -> tuple[str, Path] | None:
+def newest_verified_checkpoint(save_dir: str | os.PathLike, exclude: Collection[Path] = ()) -> tuple[str, Path] | None:
     """The newest checkpoint in `save_dir` whose every file matches its manifest, as (tag, folder), or None.
 
     Newest: the highest saved global step, then the latest written manifest. Staging folders of saves

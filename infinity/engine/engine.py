@@ -8,114 +8,48 @@ tiers and the shard store, shard the model into it, build the optimizer and the 
 from __future__ import annotations
 
 import math
-import os
-import random
 import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from infinity.comm import CommGroup, bind_compute_device, comm_device, init_distributed
+from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling, share_updated_partitions
-from infinity.engine.host_memory import limit_freed_memory
 from infinity.engine.inputs import move_inputs
-from infinity.engine.memory_plan import MemoryPlan, check_host_budget, home_bytes, plan_memory
+from infinity.engine.memory_plan import check_host_budget, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
+from infinity.engine.setup import (
+    apply_process_settings,
+    check_model,
+    compute_device,
+    hidden_size,
+    move_buffers,
+    open_tiers,
+    seed_everything,
+)
 from infinity.engine.sharding import shard_model
+from infinity.engine.state_api import EngineStateIO
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.lr_schedules import build_schedule
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition import plan_blocks
-from infinity.partition.materialize import check_materializable
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.profiler.null_writer import NullTraceWriter
 from infinity.profiler.wall_clock import WallClock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
 from infinity.scheduler.unused_params import UnusedParameterCheck
-from infinity.shards import MallocTuning, Placement, ShardStore, resolve_placement
-from infinity.shards.registry import owner_of
-from infinity.storage import MoveCounter, Recorder, Tier, TierStore, check_free_space, swap_file_bytes
+from infinity.shards import ShardStore, resolve_placement
+from infinity.storage import MoveCounter, Tier
 
 
-def compute_device() -> torch.device:
-    """This rank's compute device, bound as the current CUDA device (see `bind_compute_device`)."""
-    return bind_compute_device()
-
-
-def _hidden_size(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    for name in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def _check_model(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if owner_of(p) is not None:
-            raise ValueError(
-                f"this model is already wrapped by an infinity engine (its parameter '{name}' is sharded); pass "
-                "the original model only once, or close() the other engine first"
-            )
-    if any(p.is_meta for p in model.parameters()):
-        check_materializable(model)
-
-
-def apply_process_settings(placement: Placement) -> None:
-    """Process-wide settings the placement calls for: CPU float hygiene, malloc's freed memory."""
-    if placement.compute_device.type == "cpu":
-        torch.set_flush_denormal(True)  # decaying weights in denormals slow CPU steps several-fold
-    if placement.malloc is not MallocTuning.NONE:
-        limit_freed_memory(return_to_os=placement.malloc is MallocTuning.RETURN_TO_OS)  # see host_memory
-
-
-def _open_tiers(
-    cfg: InfinityConfig, memory: MemoryPlan, nvme_bytes: int, rank: int, device: torch.device, recorder: Recorder
-) -> TierStore:
-    """The tier store, its swap file sized to this rank's NVMe slots after checking that the disk holds
-    every local rank's (they share the nvme_path)."""
-    z = cfg.zero_optimization
-    sections = (z.offload_param, z.offload_optimizer)
-    path = next((s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path), None)
-    if path is not None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        check_free_space(path, local_ranks * swap_file_bytes(nvme_bytes), f"{local_ranks} rank(s)' swap files")
-    return TierStore.from_config(
-        z.offload_param,
-        z.offload_optimizer,
-        cfg.aio,
-        memory.budgets,
-        rank=rank,
-        device=device,
-        recorder=recorder,
-        expected_nvme_bytes=nvme_bytes,
-    )
-
-
-def seed_everything(seed: int) -> None:
-    """The config's `seed`: Python's, numpy's and torch's generators (every device's) on this rank."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for key, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[key] = buf.to(device)
-
-
-class InfinityEngine:
+class InfinityEngine(EngineStateIO):
     """A ZeRO model (stage 3, or 1 and 2 with replicated parameters): call it like the module, then
     `backward(loss)` and `step()`."""
 
@@ -127,7 +61,7 @@ class InfinityEngine:
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
     ) -> None:
-        _check_model(model)
+        check_model(model)
         cfg = load_config(config)
         device = compute_device()
         rank, world = init_distributed(device, cfg.zero_optimization.comm_timeout_s)
@@ -136,7 +70,7 @@ class InfinityEngine:
         # a stopped peer ends the run after heartbeat_timeout_s, not comm_timeout_s (unless the caller,
         # such as `infinity train`, watches the peers already)
         self._heartbeat = start_heartbeat(rank, world, cfg.zero_optimization.heartbeat_timeout_s, end_on_silence)
-        self.config = cfg = resolve_auto(resolve_batch_sizes(cfg, world), _hidden_size(model))
+        self.config = cfg = resolve_auto(resolve_batch_sizes(cfg, world), hidden_size(model))
         if cfg.seed is not None:
             seed_everything(cfg.seed)  # before a meta model is materialized with its initializers
         if rank == 0:
@@ -149,7 +83,7 @@ class InfinityEngine:
         self.global_steps = 0
         self.micro_steps = 0
         self.loss_scaler = LossScaler(cfg.fp16)
-        _move_buffers(model, device)
+        move_buffers(model, device)
 
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
@@ -159,7 +93,7 @@ class InfinityEngine:
         self.nvme_bytes_planned = homes[Tier.NVME]
         self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
         self.moves = MoveCounter(forward=self.prof)  # the bytes that moved between tiers, for bytes_moved
-        self.tiers = _open_tiers(cfg, memory, self.nvme_bytes_planned, rank, device, self.moves)
+        self.tiers = open_tiers(cfg, memory, self.nvme_bytes_planned, rank, device, self.moves)
         self.shards = ShardStore(
             self.tiers,
             self.placement,
@@ -388,94 +322,3 @@ class InfinityEngine:
     @property
     def skipped_steps(self) -> int:
         return self.loss_scaler.skipped_steps
-
-    # -- state in and out: checkpoints and full weights ----------------------------------------
-
-    def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
-    ) -> str:
-        """Write a sharded checkpoint (every rank calls this); returns its folder."""
-        from infinity.engine.checkpoint import save_checkpoint
-
-        self.optimizer.refuse_mid_step("save_checkpoint")
-        tag = tag or f"global_step{self.global_steps}"
-        folder = save_checkpoint(
-            save_dir, tag, self.shards, self.module, self._run_state(), client_state or {}, save_latest
-        )
-        if self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            self.save_16bit_model(str(folder))  # as HF's Trainer does at each save with this key set
-        return str(folder)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's: the consolidated compute-dtype weights in save_dir/save_filename when
-        `stage3_gather_16bit_weights_on_model_save` is set (True), else nothing (False); every rank calls it."""
-        from infinity.engine.weights16 import save_16bit_model
-
-        self.optimizer.refuse_mid_step("save_16bit_model")
-        enabled = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-        return save_16bit_model(self.shards, self.module, enabled, save_dir, save_filename)
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str, dict]:
-        """Restore a checkpoint written by `save_checkpoint`; returns (its folder, the client state)."""
-        from infinity.engine.checkpoint import load_checkpoint
-
-        self.optimizer.refuse_mid_step("load_checkpoint")
-        optimizer_too = load_optimizer_states and not load_module_only
-        folder, client_state, saved = load_checkpoint(
-            load_dir,
-            tag,
-            self.shards,
-            self.module,
-            optimizer_too,
-            restore_rng=not load_module_only,
-            elastic=self.config.zero_optimization.elastic_checkpoint,
-        )
-        if optimizer_too:
-            for group, saved_group in zip(self.optimizer.param_groups, saved.param_groups, strict=True):
-                group.update(saved_group)
-        if not load_module_only:
-            self.global_steps, self.micro_steps = saved.global_steps, saved.micro_steps
-            self.loss_scaler.load_state_dict(saved.loss_scaler)
-        if load_lr_scheduler_states and not load_module_only and self.lr_scheduler is not None:
-            if saved.lr_scheduler is not None:
-                self.lr_scheduler.load_state_dict(saved.lr_scheduler)
-        self.persistent.reshard()  # re-gathered from the restored shards at the next forward
-        return str(folder), client_state
-
-    def _run_state(self):
-        from infinity.engine.checkpoint import RunState
-
-        return RunState(
-            global_steps=self.global_steps,
-            micro_steps=self.micro_steps,
-            loss_scaler=self.loss_scaler.state_dict(),
-            lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-        )
-
-    def iter_full_state(self):
-        """Yield (name, full fp32 CPU tensor) block by block; every rank must iterate it to the end."""
-        from infinity.engine.state_io import iter_full_state
-
-        self.optimizer.refuse_mid_step("reading the optimizer state (a checkpoint, full weights)")
-        return iter_full_state(self.shards, self.module)
-
-    def load_full_state(self, source, strict: bool = True) -> list[str]:
-        """Load pretrained weights (a state dict, a torch file or a folder of safetensors), block by block."""
-        from infinity.engine.state_io import load_full_state
-
-        self.optimizer.refuse_mid_step("load_full_state")
-        return load_full_state(self.shards, self.module, source, strict)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from infinity.engine.state_io import full_state_dict
-
-        self.optimizer.refuse_mid_step("reading the optimizer state (a checkpoint, full weights)")
-        return full_state_dict(self.shards, self.module)

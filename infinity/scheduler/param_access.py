@@ -39,9 +39,7 @@ class ParamAccessDict(dict):
         return value
 
 
-def install_param_access(
-    blocks: list[ShardedBlock], on_read: Callable[[ShardedBlock], None]
-) -> Callable[[], None]:
+def install_param_access(blocks: list[ShardedBlock], on_read: Callable[[ShardedBlock], None]) -> Callable[[], None]:
     """Give every module owning parameters of `blocks` a reporting `_parameters`; returns the undo."""
     block_of: dict[nn.Module, dict[str, ShardedBlock]] = {}
     for block in blocks:

@@ -162,8 +162,8 @@ def resolve_placement(
         malloc = MallocTuning.RETURN_TO_OS if z.host_budget_bytes is not None else MallocTuning.CAP_ARENAS
     reduction = GradReduction.ALL_REDUCE if z.stage == 1 else GradReduction.REDUCE_SCATTER
     comm_dtype = cfg.communication_data_type
-    reduce_dtype = dtype if comm_dtype is None else {"fp32": torch.float32, "fp16": torch.float16}.get(
-        comm_dtype, torch.bfloat16
+    reduce_dtype = (
+        dtype if comm_dtype is None else {"fp32": torch.float32, "fp16": torch.float16}.get(comm_dtype, torch.bfloat16)
     )
     return Placement(
         compute_device=compute_device,

@@ -18,7 +18,6 @@ from infinity.storage.errors import BudgetError
 Reclaim = Callable[[int], bool]  # asked to free memory for a request of n bytes; True if it freed any
 
 
-
 class BudgetedAllocator:
     """Base of the host buffer pool and the device memory: live bytes <= budget_bytes, always."""
 

@@ -433,9 +433,7 @@ class TierMover:
             return exc
         diagnosis = self._file.diagnose(shard.nvme_offset + round_up(shard.nbytes)) if self._file else ""
         cls = SwapFileChangedError if diagnosis else StorageError
-        return cls(
-            exc.errno, f"{what}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename
-        )
+        return cls(exc.errno, f"{what}: {exc.strerror}" + (f"; {diagnosis}" if diagnosis else ""), exc.filename)
 
     def _record(self, shard: Shard, src: Tier, dst: Tier, t0: int) -> None:
         recorder = self._recorder

@@ -48,9 +48,7 @@ def _why_not(cfg: InfinityConfig, name: str) -> str:
     return "every value on its ladder gives the same budget plan"
 
 
-def effective_knob(
-    knob: Knob, cfg: InfinityConfig, plan: BlockPlan, device: torch.device
-) -> tuple[Knob | None, str]:
+def effective_knob(knob: Knob, cfg: InfinityConfig, plan: BlockPlan, device: torch.device) -> tuple[Knob | None, str]:
     """(`knob` with only the values that change the budget plan, or None; why it was dropped)."""
     if knob.name not in PLAN_KNOBS:
         return knob, ""
