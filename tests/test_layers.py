@@ -136,5 +136,5 @@ def test_the_graph_reader_sees_a_cycle_and_a_lazy_import() -> None:
     """The checks above would pass vacuously if the reader missed edges: it must find these."""
     graph = import_graph()
     assert "infinity.storage.tier_store" in graph["infinity.storage"]
-    assert "infinity.engine.checkpoint" in graph["infinity.engine.engine"]  # imported inside a method
+    assert "infinity.engine.checkpoint" in graph["infinity.engine.state_api"]  # imported inside a method
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
