@@ -24,6 +24,7 @@ from harness import config, rank_and_world, resolved
 from toy_models import SEQ, batches
 
 import infinity
+from infinity.engine.engine import compute_device
 from infinity.engine.memory_plan import home_bytes
 from infinity.engine.param_groups import plan_groups
 from infinity.estimator import ModelSize, estimate, home_bytes_per_rank, module_size
@@ -59,7 +60,7 @@ def _engine_homes(model, cfg: dict, world: int) -> dict[str, int]:
     z = c.zero_optimization
     plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
     groups = plan_groups(model, c.optimizer, None, None)
-    placement = resolve_placement(c, torch.device("cpu"), world, client_optimizer=False)
+    placement = resolve_placement(c, compute_device(), world, client_optimizer=False)
     homes = home_bytes(plan, groups.group_of, placement, c.gradient_accumulation_steps, z.sub_group_size)
     return {name: homes[tier] for name, tier in TIER_OF.items()}
 
@@ -79,6 +80,7 @@ def measure_on_rank(cfg: dict, model_overrides: dict, steps: int) -> dict:
         engine.backward(loss)
         engine.step()
     out = {
+        "device_is_host": compute_device().type == "cpu",
         "size": size,
         "homes": homes,
         "nvme_planned": engine.nvme_bytes_planned,
@@ -96,6 +98,8 @@ CASES = [  # world, stage, offload_param, offload_optimizer, dtype, moments, cli
     (1, 2, "none", "nvme", "bf16", "8bit", 1.0, 1),
     (1, 3, "cpu", "cpu", "fp32", "8bit", 1.0, 1),  # host-homed, master is the parameter slot
     (1, 1, "none", "cpu", "bf16", "bf16", 1.0, 1),
+    (1, 3, "none", "cpu", "fp32", "fp32", 1.0, 1),  # without CUDA the master is the device-tier parameter slot
+    (1, 2, "none", "none", "fp32", "fp32", 1.0, 1),  # everything on the device, torch's Adam
     (2, 3, "nvme", "nvme", "bf16", "8bit", 1.0, 1),
     (2, 3, "nvme", "nvme", "fp32", "fp32", 0.0, 1),
     (2, 2, "none", "nvme", "fp32", "fp32", 0.0, 1),  # parameters replicated on every rank, no gradient slot
@@ -106,14 +110,17 @@ CASES = [  # world, stage, offload_param, offload_optimizer, dtype, moments, cli
 
 @pytest.mark.parametrize("world,stage,param,optim,dtype,moments,clip,accum", CASES)
 def test_estimate_is_the_engines_layout_per_rank(tmp_path, world, stage, param, optim, dtype, moments, clip, accum):
+    if world > 1 and torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks need {world} CUDA devices")
     cfg = _config(stage, param, optim, dtype, moments, clip, accum, str(tmp_path))
     if world == 1:
         results = [measure_on_rank(cfg, {}, steps=2)]
     else:
         results = run_distributed(measure_on_rank, world, cfg, {}, 2, timeout_s=180)
     dtype_bytes = 4 if dtype == "fp32" else 2
-    choice = dict(stage=stage, moments=moments, clip=clip > 0, accumulation=accum, device_is_host=True)
     for r in results:
+        choice = dict(stage=stage, moments=moments, clip=clip > 0, accumulation=accum)
+        choice["device_is_host"] = r["device_is_host"]  # a CPU-only machine: device and host memory are one
         need = estimate(r["size"], param, optim, gpus_per_node=1, nodes=world, dtype_bytes=dtype_bytes, **choice)
         homes = home_bytes_per_rank(r["size"], param, optim, world, dtype_bytes, **choice)
         assert homes == r["homes"]
