@@ -78,6 +78,20 @@ def test_seven_billion_target_builds_a_llama_of_at_least_6_7e9_parameters():
     assert shapes.largest_block_params("llama", cfg) == sum(p.numel() for p in model.layers[0].parameters())
 
 
+def test_bench_scale_disk_check_asks_for_the_swap_the_7e9_8bit_run_makes():
+    import bench_scale
+
+    cfg, _ = shapes.choose_shape("llama", 7e9, None, 16)
+    n = shapes.count("llama", cfg)
+    need = bench_scale.disk_need("llama", cfg, 4, "8bit", 2 * 2**30, clip=False)
+    # by hand, per parameter: fp32 master that is the parameter slot (4 B), 8-bit moments (2 B and two fp32 scales
+    # per 256 elements); stepped during backward: no gradient slot
+    assert need["swap_bytes"] == pytest.approx(n * (4 + 2 + 8 / 256), rel=1e-3)
+    assert need["total_bytes"] == need["swap_bytes"] + bench_scale.MARGIN_BYTES < 50e9  # fits ~72 GB free
+    clipped = bench_scale.disk_need("llama", cfg, 4, "8bit", 2 * 2**30, clip=True)
+    assert clipped["swap_bytes"] - need["swap_bytes"] == pytest.approx(4 * n, rel=1e-3)  # gradients wait on NVMe
+
+
 def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp_path):
     cmd = [sys.executable, str(TOOLS / "bench_train.py"), "--model-size", "tiny", "--seq", "32", "--steps", "2",
            "--warmup", "1", "--configs", "plain,infinity_z3_cpu", "--nvme-path", str(tmp_path)]  # fmt: skip

@@ -32,9 +32,10 @@ ratio_to_bound, ratio_to_overlapped_bound, bound_s, io_s, io_s_overlap, compute_
 bound's parts), min_disk_bytes_per_param, bytes_read / bytes_written, engine_bytes_moved, phases_s,
 per-step records, fio runs, and the settings. A run that fails prints {"error", ...} and exits 1.
 
-Before anything it checks the free disk against infinity.estimator's NVMe figure for the model (with
-the moments format when the estimator takes one; else fp32 moments, an upper bound) plus fio's file
-and a margin, and refuses when it does not fit. The swap files live in
+Before anything it checks the free disk against infinity.estimator's NVMe figure for the model (its
+moments format, and gradient slots only with clipping, as the engine lays them out) or fio's file,
+whichever is larger (fio's file is gone before the swap file is made, and the swap before fio's second
+run), plus a margin, and refuses when it does not fit. The swap files live in
 `<nvme-path>/.bench-scale-<pid>/`, removed at the end, on errors and on SIGTERM/SIGINT/SIGHUP; folders
 left by killed runs (dead pid) are removed at start.
 
@@ -51,7 +52,6 @@ Develop with --params 1e8 or less. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -132,23 +132,19 @@ def log(message: str) -> None:
 # -- the run's pieces ------------------------------------------------------------------------------------------
 
 
-def disk_need(arch: str, cfg: Any, compute_bytes: int, moments: str, fio_bytes: int) -> dict[str, Any]:
+def disk_need(arch: str, cfg: Any, compute_bytes: int, moments: str, fio_bytes: int, clip: bool) -> dict[str, Any]:
     """Bytes the run needs on the NVMe path: infinity.estimator's swap figure, fio's file and a margin."""
     from infinity.estimator import ModelSize, estimate
 
     size = ModelSize(shapes.count(arch, cfg), shapes.largest_block_params(arch, cfg))
-    if moments == "fp32" or "moments" in inspect.signature(estimate).parameters:
-        swap = estimate(size, "nvme", "nvme", dtype_bytes=compute_bytes, **({} if moments == "fp32" else
-                        {"moments": moments})).nvme_bytes  # fmt: skip
-        how = f"infinity.estimator, moments {moments}"
-    else:  # an estimator that predates compressed moments: fp32 moments, the most they take
-        swap = estimate(size, "nvme", "nvme", dtype_bytes=compute_bytes).nvme_bytes
-        how = f"infinity.estimator with fp32 moments (it takes no moments= yet): an upper bound for {moments}"
+    # gradients take NVMe slots only where they wait for the step: with clipping (accumulation is 1 here)
+    swap = estimate(size, "nvme", "nvme", dtype_bytes=compute_bytes, moments=moments, clip=clip).nvme_bytes
+    how = f"infinity.estimator, moments {moments}, clipping {'on' if clip else 'off'}"
     return {
         "swap_bytes": swap,
         "fio_bytes": fio_bytes,
         "margin_bytes": MARGIN_BYTES,
-        "total_bytes": swap + fio_bytes + MARGIN_BYTES,
+        "total_bytes": max(swap, fio_bytes) + MARGIN_BYTES,  # fio's file is removed before the swap is made
         "swap_estimate": how,
     }
 
@@ -306,11 +302,12 @@ def choose_shape(args: argparse.Namespace) -> tuple[Any, str]:
 def check_disk(base: Path, need: dict[str, Any], params: int) -> int:
     """Free bytes at `base`; SystemExit naming what fits when `need` does not."""
     free = shutil.disk_usage(base).free
-    log(f"disk: the run needs {need['total_bytes'] / 1e9:.1f} GB on {base} ({need['swap_bytes'] / 1e9:.1f} swap "
-        f"[{need['swap_estimate']}] + {need['fio_bytes'] / 1e9:.1f} fio + {MARGIN_BYTES / 1e9:.1f} margin); "
+    log(f"disk: the run needs {need['total_bytes'] / 1e9:.1f} GB on {base} (the larger of "
+        f"{need['swap_bytes'] / 1e9:.1f} swap [{need['swap_estimate']}] and {need['fio_bytes'] / 1e9:.1f} fio, + "
+        f"{MARGIN_BYTES / 1e9:.1f} margin); "
         f"{free / 1e9:.1f} GB free")  # fmt: skip
     if need["total_bytes"] > free:
-        most = (free - need["fio_bytes"] - MARGIN_BYTES) / (need["swap_bytes"] / params)
+        most = (free - MARGIN_BYTES) / (need["swap_bytes"] / params)
         raise SystemExit(
             f"not enough disk on {base}: the run needs {need['total_bytes'] / 1e9:.1f} GB, {free / 1e9:.1f} GB is "
             f"free; ask for fewer parameters (--params {max(most, 0):.3g} fits) or point --nvme-path at a bigger disk"
@@ -332,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--nvme-path {base} is not a folder")
     remove_stale_dirs(base, DIR_PREFIX)
     fio_bytes = 0 if args.no_fio else int(args.fio_gib * GiB)
-    need = disk_need(args.arch, cfg, compute_bytes, args.moments, fio_bytes)
+    need = disk_need(args.arch, cfg, compute_bytes, args.moments, fio_bytes, clip=args.clip > 0)
     free = check_disk(base, need, expected)
     from infinity.config import load_config
 

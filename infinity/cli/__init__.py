@@ -1,9 +1,10 @@
 """The `infinity` command (also `python -m infinity`).
 
 infinity [train] [...]            train (the embedded default job with no arguments)
-infinity config [FILE] [...]      print a config resolved as `infinity train` would, every default filled in
+infinity config [FILE] [...]      print a config resolved as `infinity train` would, every default filled in;
+                                  on stderr, whether its stage and offload fit this machine (and a note)
 infinity consolidate CKPT OUT     write one full fp32 state dict from a sharded checkpoint
-infinity estimate --params N      memory needed per offload choice, and the largest model that fits here
+infinity estimate --params N      memory per ZeRO stage and offload, what fits here, the largest model that fits
 infinity profile TRACE... [--out DIR]   summarize and diagnose swap traces (`infinity train --profile`)
 infinity tune --config FILE [...] try offload settings in short trials, write the fastest as FILE's .tuned.json
 
@@ -41,9 +42,13 @@ def _parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print a config resolved with every default filled in")
     config.add_argument("file", nargs="?", help="a DeepSpeed-style JSON config (default: the embedded one)")
-    config.add_argument("--world-size", type=int, default=1, help="ranks, for the batch-size arithmetic")
+    config.add_argument("--world-size", type=int, default=1, help="ranks (on this node), for the batch-size arithmetic "
+                        "and the fit line")  # fmt: skip
     config.add_argument(
-        "--model", default=DEFAULT_MODEL, choices=list(GPT_PRESETS), help='GPT preset whose hidden size resolves "auto"'
+        "--model",
+        default=DEFAULT_MODEL,
+        choices=list(GPT_PRESETS),
+        help='GPT preset whose hidden size resolves "auto", and whose size the fit line estimates',
     )
     config.add_argument("--steps", type=int, default=DEFAULT_STEPS, help='resolves "auto" scheduler steps')
     config.add_argument("--offload", choices=("none", "cpu", "nvme"))
@@ -56,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--tag", help="the checkpoint to use instead of the latest")
     cons.add_argument("--format", choices=("torch", "safetensors"), help="default: from OUT's suffix")
 
-    estimate.add_arguments(sub.add_parser("estimate", help="memory needed under each offload choice"))
+    estimate.add_arguments(sub.add_parser("estimate", help="memory needed at each ZeRO stage and offload choice"))
 
     from infinity.cli.tune import add_tune_arguments
     from infinity.profiler.cli import add_profile_arguments
@@ -67,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> int:
+    from infinity.cli.estimate import config_fit_line
     from infinity.cli.train import build_config
     from infinity.config import resolve_batch_sizes
     from infinity.models.gpt import gpt_preset
@@ -75,6 +81,7 @@ def _config(args: argparse.Namespace) -> int:
     cfg = build_config(args, gpt_preset(args.model).n_embd)
     cfg = resolve_batch_sizes(cfg, args.world_size)
     print(json.dumps(cfg.to_dict(), indent=2))
+    print(config_fit_line(cfg, args.model, args.world_size), file=sys.stderr)  # stdout stays the JSON
     return 0
 
 

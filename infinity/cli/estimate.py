@@ -1,23 +1,28 @@
-"""`infinity estimate`: memory for model states under each offload choice, and what fits this machine."""
+"""`infinity estimate`: memory for model states at each ZeRO stage and offload, and what fits this machine; and
+the line `infinity config` prints on whether a config's stage and offload fit."""
 
 from __future__ import annotations
 
 import argparse
 
-from infinity.config import ConfigError
+from infinity.config import ConfigError, InfinityConfig
 from infinity.estimator import (
-    OFFLOAD_CHOICES,
+    STAGE_CHOICES,
     ModelSize,
-    estimate,
-    fits,
+    advise,
+    describe,
+    fit_line,
     format_bytes,
     format_params,
     gpt_model_size,
     largest_fitting_params,
     probe_machine,
     size_from_params,
+    stage_table,
 )
+from infinity.estimator.stages import choice_name, preferred
 from infinity.models.gpt import GPT_PRESETS
+from infinity.shards.moments import MOMENT_FORMATS
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -32,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) per node")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16", help="compute dtype of the weights")
+    parser.add_argument("--moments", choices=MOMENT_FORMATS, default="fp32",
+                        help="Adam's moments on an offloaded optimizer (offload_optimizer.moments)")  # fmt: skip
+    parser.add_argument("--no-clip", action="store_true",
+                        help="gradient clipping off (and not fp16): NVMe gradients are never written")  # fmt: skip
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--nvme-path", default=".", help="where NVMe offload would write (for its free space)")
 
 
@@ -43,41 +53,70 @@ def model_size(args: argparse.Namespace) -> ModelSize:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.gpus < 1 or args.nodes < 1:
-        raise ConfigError("--gpus and --nodes must be >= 1")
+    if args.gpus < 1 or args.nodes < 1 or args.accumulation < 1:
+        raise ConfigError("--gpus, --nodes and --accumulation must be >= 1")
     size = model_size(args)
     dtype_bytes = _DTYPE_BYTES[args.dtype]
+    clip = not args.no_clip or args.dtype == "fp16"
+    choice = {"moments": args.moments, "clip": clip, "accumulation": args.accumulation}
     machine = probe_machine(args.nvme_path)
     print(
         f"Model states of {format_params(size.total_params)} parameters (largest block "
         f"{format_params(size.largest_block_params)}), {args.nodes} node(s) x {args.gpus} GPU(s), "
-        f"{args.dtype} weights, fp32 Adam; activations not included."
+        f"{args.dtype} weights, Adam moments {args.moments} (fp32 where the optimizer stays on the device), "
+        f"gradient clipping {'on' if clip else 'off'}, {args.accumulation} micro-batch(es) per step; activations "
+        "not included."
     )
-    header = ("offload_param", "offload_optimizer", "per device", "host per node", "NVMe per node")
-    print(f"{header[0]:>13} {header[1]:>17} {header[2]:>12} {header[3]:>14} {header[4]:>14}")
-    for param_dev, optim_dev in OFFLOAD_CHOICES:
-        need = estimate(size, param_dev, optim_dev, args.gpus, args.nodes, dtype_bytes)
+    print(f"This machine: {describe(machine)}")
+    rows = stage_table(size, machine, args.gpus, args.nodes, dtype_bytes, **choice)
+    head = ("stage", "offload_param", "offload_optimizer", "per device", "host per node", "NVMe per node",
+            "sent/rank/step", "fits here")  # fmt: skip
+    widths = (5, 13, 17, 12, 14, 14, 14)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head[:-1], widths, strict=True)) + f"  {head[-1]}")
+    for row in rows:
+        need = row.need
         print(
-            f"{param_dev:>13} {optim_dev:>17} {format_bytes(need.device_bytes):>12} "
-            f"{format_bytes(need.host_bytes):>14} {format_bytes(need.nvme_bytes):>14}"
+            f"{need.stage:>5} {need.offload_param:>13} {need.offload_optimizer:>17} "
+            f"{format_bytes(need.device_bytes):>12} {format_bytes(need.host_bytes):>14} "
+            f"{format_bytes(need.nvme_bytes):>14} {format_bytes(row.collective_bytes):>14}  "
+            f"{'yes' if row.fits else 'no'}"
         )
-    device = (
-        f"{machine.devices} GPU(s) of {format_bytes(machine.device_bytes)}"
-        if machine.device_bytes is not None
-        else "no GPU (the device tier is host memory)"
-    )
+    best = preferred(rows)
     print(
-        f"\nThis machine: {device}, {format_bytes(machine.host_bytes)} host memory available, "
-        f"{format_bytes(machine.nvme_bytes)} free disk at {machine.nvme_path}"
+        f"Best fit here: {choice_name(best.key)}, the least traffic of those that fit"
+        if best is not None
+        else "Nothing fits here: add devices or nodes, free disk, or train a smaller model"
     )
-    print(f"Largest GPT-shaped model whose states fit here ({machine.devices} rank(s), {args.dtype}):")
-    best = (0, "")
-    for param_dev, optim_dev in OFFLOAD_CHOICES:
-        n = largest_fitting_params(machine, param_dev, optim_dev, dtype_bytes=dtype_bytes)
-        this = estimate(size, param_dev, optim_dev, machine.devices, 1, dtype_bytes)
-        verdict = "fits" if fits(this, machine) else "does not fit"
-        print(f"{param_dev:>13} {optim_dev:>17} {format_params(n):>12}   (this model {verdict})")
-        if n > best[0]:
-            best = (n, f"offload_param={param_dev}, offload_optimizer={optim_dev}")
-    print(f"Largest overall: {format_params(best[0])} parameters with {best[1]}")
+    print(f"\nLargest GPT-shaped model whose states fit here ({machine.devices} rank(s), {args.dtype}):")
+    largest = (0, "")
+    for stage, param, optim in STAGE_CHOICES:
+        moments = args.moments if optim != "none" else "fp32"
+        n = largest_fitting_params(machine, param, optim, dtype_bytes=dtype_bytes, stage=stage, moments=moments,
+                                   clip=clip, accumulation=args.accumulation)  # fmt: skip
+        print(f"{stage:>5} {param:>13} {optim:>17} {format_params(n):>12}")
+        if n > largest[0]:
+            largest = (n, choice_name((stage, param, optim)))
+    print(f"Largest overall: {format_params(largest[0])} parameters with {largest[1]}")
     return 0
+
+
+def config_fit_line(cfg: InfinityConfig, model: str, world_size: int) -> str:
+    """Whether `cfg`'s stage and offload (batch sizes and "auto" resolved) fit this machine for GPT `model` on
+    `world_size` ranks of this node, with the estimator's note (stage 3 where stage 2 fits, what fits where
+    this does not, or that nothing does)."""
+    z = cfg.zero_optimization
+    paths = [s.nvme_path for s in (z.offload_param, z.offload_optimizer) if s.device == "nvme" and s.nvme_path]
+    machine = probe_machine(paths[0] if paths else ".")
+    choice = {
+        "moments": z.offload_optimizer.moments,
+        "clip": cfg.gradient_clipping > 0 or cfg.fp16.enabled is True,
+        "accumulation": cfg.gradient_accumulation_steps,
+    }
+    dtype_bytes = 4 if cfg.compute_dtype_name == "float32" else 2
+    try:
+        size = gpt_model_size(model, zero=z)
+        advice = advise(size, machine, z.stage, z.offload_param.device, z.offload_optimizer.device, world_size,
+                        dtype_bytes=dtype_bytes, **choice)  # fmt: skip
+    except ValueError as exc:  # a stage or offload the engine refuses too
+        return f"fit: not estimated: {exc}"
+    return "fit: " + fit_line(advice, machine, f"GPT '{model}' on {world_size} rank(s)")

@@ -77,8 +77,21 @@ def check_host_budget(cfg: InfinityConfig, model_name: str, block_size: int, wor
     param, optim = z.offload_param.device, z.offload_optimizer.device
     if budget is None or "cpu" not in (param, optim):
         return
-    size = gpt_model_size(model_name, block_size=block_size)
-    need = host_resident_bytes(size, param, optim, world_size, ITEMSIZE[cfg.compute_dtype_name])
+    if z.stage not in (1, 2, 3) or (z.stage < 3 and param != "none"):
+        return  # the engine refuses these, naming the fix
+    import torch
+
+    size = gpt_model_size(model_name, zero=z, block_size=block_size)
+    need = host_resident_bytes(
+        size,
+        param,
+        optim,
+        world_size,
+        ITEMSIZE[cfg.compute_dtype_name],
+        stage=z.stage,
+        moments=z.offload_optimizer.moments,  # clipping and accumulation change NVMe slots only
+        device_is_host=not torch.cuda.is_available(),
+    )
     if budget < need:
         raise ConfigError(
             f"'zero_optimization.host_budget_bytes' is {budget} ({format_bytes(budget)}), but with offload_param on "
