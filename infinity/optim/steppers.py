@@ -19,8 +19,8 @@ import torch
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.partition.flat_param import FlatParam
 from infinity.profiler.null_writer import NullTraceWriter
+from infinity.shards import LentShard, Returned, ShardStore
 from infinity.shards.moments import moment_format
-from infinity.shards.store import LentShard, Returned, ShardStore
 
 Hyper = Callable[[int], dict[str, Any]]  # a param group's lr, betas, eps and weight_decay, by index
 

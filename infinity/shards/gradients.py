@@ -1,0 +1,167 @@
+"""The shard store's gradient accumulators: micro-batch gradients in, the step's sum and norm out.
+
+A mixin of `ShardStore` (its tiers, placement, records, views and crossing). An accumulator lives where
+the placement puts `GRAD`: the compute writes into it directly when it is in the compute's memory
+(`grad_accumulator`), else gradients come through `accumulate_grad`, crossing from the device in the
+compute dtype and promoted to fp32 as they are summed on the host, or written to NVMe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.partition.flat_param import FlatParam
+from infinity.shards.crossing import StagedCopy
+from infinity.shards.kinds import ShardKind
+from infinity.storage import Tier, aligned_empty
+
+GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
+
+
+class GradientAccumulators:
+    """`ShardStore`'s gradient verbs; see the module docstring."""
+
+    def grad_accumulator(self, flat: FlatParam) -> torch.Tensor | None:
+        """The gradient accumulator where the compute may write into it directly (memory on its side), else
+        None: gradients then come through `accumulate_grad`."""
+        self.settle(flat)  # a deferred step still reads the last step's gradient from it
+        if self.placement.grads_cross_to_host:
+            return None
+        return self.shard_view(flat, ShardKind.GRAD)
+
+    def grad_written(self, flat: FlatParam, final: bool) -> None:
+        """The caller wrote (or added) this micro-batch's gradient into `grad_accumulator(flat)` itself."""
+        record = self.records[flat]  # (grad_accumulator settled what was owed: it is read first)
+        record.has_grad = True
+        if final and self.placement.needs_grad_norm:
+            record.grad_norm_sq = _norm_sq(self.shard_view(flat, ShardKind.GRAD))
+
+    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
+        """Add one micro-batch's gradient shard (in the compute's memory) into the accumulator; `final` marks
+        the last micro-batch before a step."""
+        self.settle(flat)
+        if self.placement.grads_cross_to_host:
+            self._grads_crossing.append((flat, final, self.crossing.grad_to_host(grad)))
+            while len(self._grads_crossing) > GRADS_IN_FLIGHT:  # the next copy runs while this one is summed
+                self._land_grad(*self._grads_crossing.popleft())
+            return
+        self._add_grad(flat, grad, final)
+
+    def _land_grads(self) -> None:
+        """Sum every gradient still crossing into its accumulator."""
+        while self._grads_crossing:
+            self._land_grad(*self._grads_crossing.popleft())
+
+    def _land_grad(self, flat: FlatParam, final: bool, staged: StagedCopy) -> None:
+        try:
+            grad = staged.wait()
+            if self.shard_view(flat, ShardKind.GRAD) is None:  # on NVMe: written from a copy that outlives `staged`
+                grad = _fp32_copy(grad)
+            self._add_grad(flat, grad, final)
+        finally:
+            self.crossing.release(staged)
+
+    def _add_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
+        """`accumulate_grad` of a gradient on the accumulator's side (host gradients in the compute dtype are
+        promoted to fp32 as they are added)."""
+        record = self.records[flat]
+        view = self.shard_view(flat, ShardKind.GRAD)
+        if view is not None:
+            grad = grad.to(view.device)
+            if record.has_grad:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+            self.grad_written(flat, final)
+            return
+        grad = self._host_fp32(grad)
+        key = self.key(flat, ShardKind.GRAD)
+        if record.has_grad:
+            held = self.tiers.fetch(key, Tier.HOST).wait()
+            try:
+                held.add_(grad)
+                self.tiers.write(key, held).wait()
+                grad = held
+                if final and self.placement.needs_grad_norm:
+                    record.grad_norm_sq = _norm_sq(held)
+            finally:
+                self.tiers.release(key, Tier.HOST)
+                self.tiers.evict(key)  # one accumulator in host memory at a time (grad_accumulation_bytes)
+            return
+        if final and self.placement.needs_grad_norm:
+            record.grad_norm_sq = _norm_sq(grad)
+        handle = self.tiers.write(key, grad) if key in self.tiers else self.tiers.put(key, grad, Tier.NVME)
+        self._grad_writes.append((handle, grad))  # the store may read `grad` until the write is done
+        while len(self._grad_writes) > self.grad_writes_in_flight:
+            self._grad_writes.popleft()[0].wait()
+        record.has_grad = True
+
+    def final_grad(self, flat: FlatParam, grad: torch.Tensor) -> torch.Tensor:
+        """The step's whole gradient of `flat` (the accumulated earlier micro-batches plus `grad`), in host
+        memory, for a step taken as it arrives; the accumulator is left empty. Where gradients cross from
+        the device, the first micro-batch's comes in the compute dtype (the native Adam promotes it)."""
+        self.settle(flat)
+        self._land_grads()
+        record = self.records[flat]
+        if self.placement.grads_cross_to_host:
+            staged = self.crossing.grad_to_host(grad)
+            try:
+                grad = staged.wait().clone()  # held by the stepper until stepped: not a pool buffer
+            finally:
+                self.crossing.release(staged)
+        else:
+            grad = self._host_fp32(grad)
+        if record.has_grad:
+            view = self.shard_view(flat, ShardKind.GRAD)
+            if view is not None:
+                grad = view.to("cpu").add(grad)
+            else:
+                self.finish_grad_writes()
+                key = self.key(flat, ShardKind.GRAD)
+                try:
+                    grad = self.tiers.fetch(key, Tier.HOST).wait().add(grad)
+                finally:
+                    self.tiers.release(key, Tier.HOST)
+                    self.tiers.evict(key)
+        record.has_grad = True  # consumed by the step as it arrives; zero_grad clears it
+        return grad
+
+    @staticmethod
+    def _host_fp32(grad: torch.Tensor) -> torch.Tensor:
+        return grad.to("cpu", torch.float32)
+
+    def finish_grad_writes(self) -> None:
+        """Sum the gradients still crossing from the device, and finish their writes to NVMe."""
+        self._land_grads()
+        while self._grad_writes:
+            self._grad_writes.popleft()[0].wait()
+
+    def local_grad_norm_sq(self) -> float:
+        """Sum of squares of this rank's accumulated gradient shards; inf/nan if they overflowed."""
+        self.finish_grad_writes()
+        total = 0.0
+        for flat, record in self.records.items():
+            if not record.has_grad:
+                continue
+            if record.grad_norm_sq is None:  # no final micro-batch reached this flat: norm its sum now
+                record.grad_norm_sq = _norm_sq(self.read(flat, ShardKind.GRAD))
+            total += record.grad_norm_sq
+        return total
+
+    def zero_grad(self) -> None:
+        self._land_grads()
+        for record in self.records.values():
+            record.has_grad = False
+            record.grad_norm_sq = None
+
+
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of a host tensor, 4 KiB-aligned so that an NVMe write reads it in place."""
+    out = aligned_empty(t.numel() * 4).view(torch.float32)
+    out.copy_(t)
+    return out
+
+
+def _norm_sq(t: torch.Tensor) -> float:
+    """Squared L2 norm, each shard's norm taken in fp32 (an fp64 copy would double its memory)."""
+    return float(torch.linalg.vector_norm(t)) ** 2

@@ -1,0 +1,149 @@
+"""The optimizer's path through the shard store: lend a shard's buffers, step in place, give them back.
+
+A mixin of `ShardStore`. `lend` hands over the master, the packed moments (and the gradient sum) in host
+or device memory, read from NVMe where that is their home; `give_back` routes the new weights to the
+parameter shard and writes NVMe state home; `Returned.finish` waits for those writes and frees the copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinity.partition.flat_param import FlatParam
+from infinity.shards.crossing import StagedCopy
+from infinity.shards.kinds import OPTIM_KINDS, ShardKind
+from infinity.shards.moments import packed_views
+from infinity.storage import MoveHandle, Tier, aligned_empty
+
+if TYPE_CHECKING:
+    from infinity.shards.store import ShardStore
+
+
+@dataclass
+class LentShard:
+    """One shard's optimizer buffers, lent for one in-place step (`ShardStore.lend`).
+
+    `param_out` is where a step writes the new compute-dtype weights (the fused copy-out), or None when
+    the master is the parameter shard itself."""
+
+    flat: FlatParam
+    master: torch.Tensor
+    moments_buffer: torch.Tensor  # uint8: both moments packed in the placement's format
+    moments: dict[str, torch.Tensor]  # views into it: exp_avg, exp_avg_sq (and their scales)
+    grad: torch.Tensor | None
+    param_out: torch.Tensor | None
+    fetched: list[Hashable] = field(default_factory=list)  # keys whose host copies are held
+    staged_out: StagedCopy | None = None  # `param_out`'s pinned buffer, when the new weights cross to the device
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.moments["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.moments["exp_avg_sq"]
+
+
+class Returned:
+    """A lent shard given back: its writes in flight; `finish()` waits for them and frees the buffers."""
+
+    def __init__(self, store: ShardStore, lent: LentShard, writes: list[MoveHandle]) -> None:
+        self._store = store
+        self._lent = lent
+        self.writes = writes
+        self.block = lent.flat.name.split("#", 1)[0]
+
+    def finish(self) -> None:
+        try:
+            for handle in self.writes:
+                handle.wait()
+        finally:
+            for key in self._lent.fetched:
+                self._store.tiers.release(key, Tier.HOST)
+                self._store.tiers.evict(key)
+            self._lent.fetched = []
+            if self._lent.staged_out is not None:  # after the copy to the device read it
+                self._store.crossing.release(self._lent.staged_out)
+                self._lent.staged_out = None
+
+
+class OptimizerLending:
+    """`ShardStore`'s lend/give-back verbs; see the module docstring."""
+
+    def prefetch_state(self, flats: Iterable[FlatParam], with_grad: bool) -> None:
+        """Start reading the optimizer state `lend` will need into host memory (NVMe homes), in order."""
+        if self.placement.optim_home is Tier.NVME:
+            kinds = (*OPTIM_KINDS, ShardKind.GRAD) if with_grad else OPTIM_KINDS
+            self.tiers.prefetch([self.key(f, k) for f in flats for k in kinds], Tier.HOST)
+
+    def lend(self, flat: FlatParam, with_grad: bool) -> LentShard:
+        """`flat`'s master, moments (and gradient sum) for one in-place step: the home buffers in memory, or
+        host copies read from NVMe (waiting for them); give them back with `give_back`."""
+        self.settle(flat)
+        if with_grad:
+            self._land_grads()
+        fetched: list[Hashable] = []
+
+        def buffer(kind: ShardKind) -> torch.Tensor:
+            view = self.shard_view(flat, kind)
+            if view is not None:
+                return view
+            key = self.key(flat, kind)
+            fetched.append(key)
+            return self.tiers.fetch(key, Tier.HOST).wait()
+
+        try:
+            master, packed = (buffer(k) for k in OPTIM_KINDS)
+            grad = buffer(ShardKind.GRAD) if with_grad else None
+        except BaseException:
+            for key in fetched:
+                self.tiers.release(key, Tier.HOST)
+            raise
+        packed = packed.view(torch.uint8)
+        moments = packed_views(packed, self.placement.moments, flat.shard_numel)
+        lent = LentShard(flat, master, packed, moments, grad, None, fetched)
+        if self.placement.weights_cross_to_device and not self.placement.master_is_param:
+            # stepped on the host into a pinned buffer, then copied up to the parameter shard (`give_back`)
+            lent.staged_out = self.crossing.buffer(flat.shard_numel, self.placement.compute_dtype)
+            lent.param_out = lent.staged_out.host
+        else:
+            lent.param_out = self._param_out(flat, master)
+        return lent
+
+    def _param_out(self, flat: FlatParam, master: torch.Tensor) -> torch.Tensor | None:
+        p = self.placement
+        if p.master_is_param:
+            return None
+        view = self.shard_view(flat, ShardKind.PARAM)
+        if view is not None and view.device == master.device:
+            return view  # the step writes the new weights straight into the parameter shard
+        out = aligned_empty(flat.shard_numel * p.compute_dtype.itemsize).view(p.compute_dtype)
+        return out if master.device.type == "cpu" else out.to(master.device)
+
+    def give_back(self, lent: LentShard, param_written: bool) -> Returned:
+        """The step on `lent` is done (`param_written`: it also wrote `param_out`): the new weights go to the
+        parameter shard, NVMe state is written home; `finish()` the result before reusing the memory."""
+        flat, p = lent.flat, self.placement
+        writes: list[MoveHandle] = []
+        if p.optim_home is Tier.NVME:
+            writes.append(self.tiers.write(self.key(flat, ShardKind.MASTER), lent.master))
+            writes.append(self.tiers.write(self.key(flat, ShardKind.MOMENTS), lent.moments_buffer))
+        param_key = self.key(flat, ShardKind.PARAM)
+        out = lent.param_out
+        view = self.shard_view(flat, ShardKind.PARAM)
+        if out is not None:
+            if not param_written:
+                out.copy_(lent.master)
+            if lent.staged_out is not None:  # the compute stream waits for it; `finish` frees the buffer after it
+                self.crossing.to_device(view, lent.staged_out)
+            elif view is not None and out.data_ptr() != view.data_ptr():
+                view.copy_(out)  # a host-stepped shard whose parameters live in device memory
+            elif view is None:
+                writes.append(self.tiers.write(param_key, out))
+        if p.param_home is not Tier.NVME:
+            self.tiers.evict(param_key)  # copies above the home are stale
+        return Returned(self, lent, writes)
