@@ -12,10 +12,10 @@ from infinity.storage.checksum import crc32c, resolve_crc32c_path
 from infinity.storage.device_memory import DeviceMemory
 from infinity.storage.disk_space import check_free_space
 from infinity.storage.errors import BudgetError, ChecksumError, StorageError, SwapFileChangedError, SwapFileError
-from infinity.storage.moves import FetchHandle, MoveHandle, Tier
 from infinity.storage.nvme_file import NvmeFile, swap_file_bytes
 from infinity.storage.recorder import ListRecorder, MoveCounter, MoveEvent, Recorder
 from infinity.storage.tier_store import TierBudgets, TierStore
+from infinity.storage.tier_types import FetchHandle, MoveHandle, Tier
 
 __all__ = [
     "ALIGN",

@@ -20,9 +20,9 @@ import torch
 
 from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.storage.buffer_pool import aligned_view, copy_bytes, round_up
-from infinity.storage.moves import RANK, Copy, FetchHandle, MoveHandle, Shard, Tier, TierBudgets
+from infinity.storage.mover import TierMover, holder_of
 from infinity.storage.recorder import Recorder
-from infinity.storage.tier_moves import TierMover, holder_of
+from infinity.storage.tier_types import TIER_DEPTH, Copy, FetchHandle, MoveHandle, Shard, Tier, TierBudgets
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -270,7 +270,7 @@ class TierStore(TierMover):
                             self._free_copy(shard, copy)
                     if to is None or to is shard.home:
                         return
-                    if RANK[to] < RANK[shard.home]:
+                    if TIER_DEPTH[to] < TIER_DEPTH[shard.home]:
                         raise ValueError(f"evict moves down; {to.value} is above {key!r}'s home {shard.home.value}")
                     if shard.copies[shard.home].refs:
                         raise RuntimeError(f"cannot move {key!r} down: its home copy is still fetched")
@@ -340,7 +340,7 @@ class TierStore(TierMover):
         with self._lock:
             shard = self._get(key)
             tiers = {t for t, c in shard.copies.items() if c.ready.is_set() and c.error is None} | {shard.home}
-            return [t.value for t in sorted(tiers, key=RANK.get)]
+            return [t.value for t in sorted(tiers, key=TIER_DEPTH.get)]
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._shards

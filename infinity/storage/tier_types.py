@@ -20,7 +20,7 @@ class Tier(str, enum.Enum):
     NVME = "nvme"
 
 
-RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}  # lower is faster; "down" means a larger rank
+TIER_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}  # lower is faster; "down" means deeper
 
 
 @dataclass(frozen=True)

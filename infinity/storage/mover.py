@@ -23,10 +23,10 @@ from infinity.storage.aio import IoHandle
 from infinity.storage.buffer_pool import BufferPool, aligned_view, copy_bytes, round_up
 from infinity.storage.device_memory import DeviceMemory
 from infinity.storage.errors import StorageError, SwapFileChangedError, SwapFileError
-from infinity.storage.moves import Completer, Copy, MoveHandle, Shard, Tier, TierBudgets
 from infinity.storage.nvme_file import NvmeFile
 from infinity.storage.recorder import MoveEvent, Recorder
 from infinity.storage.streams import DONE, CopyDone, CopyStream
+from infinity.storage.tier_types import Completer, Copy, MoveHandle, Shard, Tier, TierBudgets
 
 _HOLDERS = {"param": "param", "master": "optimizer", "moments": "optimizer", "grad": "grad"}
 
