@@ -187,7 +187,7 @@ def _non_default(key: str) -> dict:
     value = default
     for part in key.split("."):
         value = getattr(value, part)
-    new = not value if isinstance(value, bool) else "Fail"
+    new = not value if isinstance(value, bool) else 0.5 if isinstance(value, float) else "Fail"
     cfg: dict = {}
     node = cfg
     *parents, last = key.split(".")

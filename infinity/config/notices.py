@@ -32,6 +32,10 @@ NO_EFFECT: dict[str, str] = {
         "optimizer state is written to its tier once per shard as the shard is created; there is no slower "
         "initialization to skip"
     ),
+    "zero_optimization.offload_optimizer.ratio": (
+        "DeepSpeed's partial offload (a fraction of the optimizer state stepped on the GPU) is not built: every "
+        "shard's optimizer state lives on offload_optimizer.device and is stepped there by the native CPU Adam"
+    ),
     "fp16.auto_cast": "infinity does not cast forward inputs; pass floating-point inputs in fp16 yourself",
     "checkpoint.tag_validation": (
         "every rank's checkpoint files carry a manifest with sizes and SHA-256, checked at load, and the tag is "
