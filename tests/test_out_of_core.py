@@ -111,3 +111,33 @@ def test_pretrained_weights_load_block_by_block_from_torch_and_safetensors(tmp_p
         for key, value in source.state_dict().items():
             assert torch.equal(loaded[key], value), (where, key)
         engine.close()
+
+
+def test_a_safetensors_index_names_the_files_read_and_a_weight_in_two_files_is_refused(tmp_path):
+    """A folder holding a stale copy beside the indexed files loads the indexed weights only; without an
+    index, a weight found in two files is an error rather than whichever file came last."""
+    from safetensors.torch import save_file
+
+    source = GPT(gpt_config())
+    items = {k: v.contiguous() for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    folder = tmp_path / "st"
+    folder.mkdir()
+    save_file(items, str(folder / "model-00001-of-00001.safetensors"))
+    save_file({k: torch.zeros_like(v) for k, v in items.items()}, str(folder / "stale.safetensors"))
+    cfg = nvme_config(str(tmp_path))
+    with infinity.Init(config=cfg):
+        model = GPT(gpt_config())
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    with pytest.raises(ValueError, match="more than one safetensors file"):
+        engine.load_full_state(folder)
+    index = {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in items}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert engine.load_full_state(folder) == []
+    loaded = engine.full_state_dict()
+    for key, value in source.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+    index["weight_map"]["transformer.wte.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        engine.load_full_state(folder)
+    engine.close()

@@ -7,6 +7,7 @@ from a state dict, a torch checkpoint (memory-mapped) or a folder of safetensors
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -57,9 +58,7 @@ class _TensorSource:
             return
         path = Path(source)
         if path.is_dir():
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"'{path}' holds no *.safetensors files")
+            files = _safetensors_files(path)
             try:
                 from safetensors import safe_open
             except ImportError as exc:
@@ -69,6 +68,11 @@ class _TensorSource:
             for f in files:
                 handle = safe_open(str(f), framework="pt")
                 for key in handle.keys():
+                    if key in self._handles:
+                        raise ValueError(
+                            f"'{key}' is in more than one safetensors file in '{path}'; keep one copy of each "
+                            "weight (or an index, model.safetensors.index.json, naming the files to read)"
+                        )
                     self._handles[key] = handle
             self._tensors = None
         elif path.is_file():
@@ -83,6 +87,26 @@ class _TensorSource:
         if self._tensors is None:
             return self._handles[key].get_tensor(key)
         return self._tensors[key]
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files to read: those the folder's index names when it has one (a folder may also
+    hold stale or unrelated files), else every *.safetensors file in it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"'{index}' is not a safetensors index (no 'weight_map'): {exc}") from exc
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"'{index}' names files that are not in '{folder}': {', '.join(absent)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"'{folder}' holds no *.safetensors files")
+    return files
 
 
 @torch.no_grad()
