@@ -279,15 +279,16 @@ class _SecondsByName:
 
 
 def instrument_engine_internals(engine: Any) -> _SecondsByName:
-    """Time (per step, summed) gathers, releases, shard fetches, gradient reductions and the Adam step."""
+    """Time (per step, summed) gathers, reshards, shard fetches, gradient reductions and the Adam step."""
     timer = _SecondsByName()
     for block in (*getattr(engine, "blocks", ()), getattr(engine, "root", None), getattr(engine, "persistent", None)):
         if block is not None:
-            timer.wrap(block, "start_gather", "gather_s")  # fetch the shard + all-gather (a copy at world 1)
-            timer.wrap(block, "release", "release_s")
+            timer.wrap(block, "start_unshard", "fetch_issue_s")  # ask the store for the block's shards
+            timer.wrap(block, "wait_unshard", "gather_wait_s")  # wait for them, all-gather (a copy at world 1)
+            timer.wrap(block, "reshard", "reshard_s")
     for owner, attr, name in (
-        ("placement", "acquire", "acquire_s"),  # a shard's move from its home tier to the compute
-        ("scheduler", "on_block_grads", "reduce_grads_s"),  # flat grad, reduce-scatter, accumulate
+        ("shards", "fetch_param", "fetch_param_s"),  # a shard's move from its home tier toward the compute
+        ("reducer", "reduce_block", "reduce_grads_s"),  # flat grad, reduce-scatter, accumulate
         ("optimizer", "step", "adam_s"),
     ):
         obj = getattr(engine, owner, None)
