@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from engine_cases import batches, make_model
-from engine_features_cases import rank_and_world
+from harness import config, rank_and_world
+from toy_models import batches, make_model
 
 import infinity
 from infinity.optim.sharded_adam import ShardedAdam
@@ -28,24 +28,22 @@ MUTATIONS = ("no_weight_decay", "no_clipping", "beta2_0.99", "grads_left_scaled"
 
 
 def mp_config(dtype: str, micro_bs: int, grad_accum: int, offload: str, nvme_path: str | None = None) -> dict:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_bs,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": CLIP,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
-        },
-        "zero_optimization": {
-            "stage": 3,
-            "block_classes": ["Block"],
-            "stage3_param_persistence_threshold": 64,
-            "offload_param": {"device": offload, "nvme_path": nvme_path},
-            "offload_optimizer": {"device": offload, "nvme_path": nvme_path},
-        },
+    optimizer = {
+        "type": "AdamW",
+        "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
     }
-    cfg["bf16" if dtype == "bf16" else "fp16"] = {"enabled": True} if dtype == "bf16" else dict(FP16)
-    return cfg
+    precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {"fp16": dict(FP16)}
+    return config(
+        "gpt",
+        micro_bs=micro_bs,
+        grad_accum=grad_accum,
+        clip=CLIP,
+        persistence=64,
+        offload_param=offload,
+        offload_optimizer=offload,
+        nvme_path=nvme_path,
+        extra={"optimizer": optimizer, **precision},
+    )
 
 
 def _mutate(engine, mutation: str | None, monkeypatch_clip) -> None:
