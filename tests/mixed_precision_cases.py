@@ -11,7 +11,6 @@ from toy_models import batches, make_model
 
 import infinity
 from infinity.optim.sharded_adam import ShardedAdam
-from infinity.shards import ShardKind
 
 # Chosen so that every mistake below moves the result far more than mixed precision's own rounding does:
 # a clip well under the gradient norm (clipping on every step, by a varying factor), an eps near the clipped
@@ -63,12 +62,12 @@ def _mutate(engine, mutation: str | None, monkeypatch_clip) -> None:
         original = engine.optimizer.step
         calls = [0]
 
-        def step(closure=None, grad_scale: float = 1.0):
+        def step(closure=None, grad_scale: float = 1.0, **kwargs):
             calls[0] += 1
             if mutation == "step_skipped" and calls[0] == 2:
                 return None  # the second applied step updates nothing
             factor = 2.0**16 if mutation == "grads_left_scaled" else 1.0
-            return original(closure, grad_scale=grad_scale * factor)
+            return original(closure, grad_scale=grad_scale * factor, **kwargs)
 
         engine.optimizer.step = step
     else:
@@ -110,10 +109,11 @@ def _moments(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """AdamW's (m, v) of every trainable parameter, by its first name, gathered from every rank's shards."""
     out: dict[str, list[torch.Tensor]] = {}
     for flat in engine.shards.records:
-        for kind in (ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ):
-            shard = engine.shards.read(flat, kind)
+        moments = engine.shards.read_moments(flat)  # fp32 moments: float32 views of the packed slot
+        for name in ("exp_avg", "exp_avg_sq"):
+            shard = moments[name]
             full = torch.empty(flat.padded_numel, dtype=torch.float32)
-            engine.comm.all_gather(full, shard, f"{kind.value} of {flat.name}")
+            engine.comm.all_gather(full, shard, f"{name} of {flat.name}")
             for fqn, value in flat.unflatten(full).items():
                 out.setdefault(fqn, []).append(value.clone())
     return {name: (m, v) for name, (m, v) in out.items()}

@@ -36,7 +36,7 @@ cpu_compute = pytest.mark.skipif(torch.cuda.is_available(), reason="the engine c
         lambda c, t: c.all_reduce(t, "loss for the progress display"),
         lambda c, t: c.broadcast(t, 0, "loss for the progress display"),
         lambda c, t: c.all_gather(t.clone(), t, "loss for the progress display"),
-        lambda c, t: c.reduce_scatter_mean(t.clone(), t, "loss for the progress display"),
+        lambda c, t: c.reduce_scatter_sum(t.clone(), t, "loss for the progress display"),
     ],
     ids=["all_reduce", "broadcast", "all_gather", "reduce_scatter"],
 )
