@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from engine_features_cases import build, feature_batches, feature_config, rank_and_world
+from harness import Reference, config, rank_and_world, reference_train
 from torch import nn
+from toy_models import batches, make_model
 
 import infinity
 from infinity.models.mlp import MLP
@@ -50,7 +51,7 @@ def probe_gradients(rank: int, huge: bool) -> torch.Tensor:
 def reduced_probe_gradient(extra: dict[str, Any], huge: bool) -> dict[str, torch.Tensor]:
     """One backward of the probe on this rank with its chosen gradient; this rank's reduced gradient shard."""
     rank, _ = rank_and_world()
-    cfg = feature_config(micro_bs=1, clip=0.0, block_classes=("ProbeLayer",), extra=extra)
+    cfg = config(micro_bs=1, clip=0.0, block_classes=("ProbeLayer",), extra=extra)
     engine = infinity.initialize(model=GradientProbe(), config=cfg)[0]
     _, loss = engine(torch.ones(1, PROBE_WIDTH), probe_gradients(rank, huge))
     engine.backward(loss)
@@ -75,9 +76,9 @@ def train_with_unused(ignore_unused: bool, steps: int) -> dict[str, Any]:
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = MLPWithUnused()
-    cfg = feature_config(extra_zero={"ignore_unused_parameters": ignore_unused})
+    cfg = config("mlp", extra_zero={"ignore_unused_parameters": ignore_unused})
     engine = infinity.initialize(model=model, config=cfg)[0]
-    data = feature_batches("mlp", 2, rank=rank, world_size=world)
+    data = batches("mlp", 2, rank=rank, world_size=world)
     losses = []
     try:
         for _ in range(steps):
@@ -94,21 +95,22 @@ def train_with_unused(ignore_unused: bool, steps: int) -> dict[str, Any]:
     return {"losses": losses, "state": state}
 
 
-def plain_with_unused(steps: int, global_bs: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch: the unused layer has no gradient and AdamW leaves it alone."""
-    from engine_features_cases import plain_train
-
+def _mlp_with_unused() -> MLPWithUnused:
     torch.manual_seed(0)
-    losses, state, _ = plain_train(MLPWithUnused(), feature_batches("mlp", global_bs), steps)
-    return losses, state
+    return MLPWithUnused()
+
+
+def plain_with_unused(steps: int, global_bs: int) -> Reference:
+    """Plain PyTorch: the unused layer has no gradient and AdamW leaves it alone."""
+    return reference_train(_mlp_with_unused, batches("mlp", global_bs), steps)
 
 
 def draws_after_initialize(seed: int | None) -> dict[str, Any]:
     """Initialize with `seed` (None: unset); what each generator draws next, and the generators' states before."""
-    model = build("mlp")  # seeds torch itself: the states are taken after it
+    model = make_model("mlp")  # seeds torch itself: the states are taken after it
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
     extra = {} if seed is None else {"seed": seed}
-    engine = infinity.initialize(model=model, config=feature_config(extra=extra))[0]
+    engine = infinity.initialize(model=model, config=config("mlp", extra=extra))[0]
     draws = {"random": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3)}
     engine.close()
     return {"draws": draws, "before": before}
@@ -118,7 +120,7 @@ def meta_mlp_initial_weights(seed: int) -> dict[str, torch.Tensor]:
     """An MLP built on the meta device and materialized by initialize under `seed`: its initial weights."""
     with infinity.Init():
         model = MLP(in_features=16, hidden=24, out_features=8, n_layers=3)
-    engine = infinity.initialize(model=model, config=feature_config(extra={"seed": seed}))[0]
+    engine = infinity.initialize(model=model, config=config("mlp", extra={"seed": seed}))[0]
     state = engine.full_state_dict()
     engine.close()
     return state
@@ -129,8 +131,8 @@ def initialize_and_capture(config: dict) -> dict[str, Any]:
     rank, world = rank_and_world()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        engine = infinity.initialize(model=build("mlp"), config=config)[0]
-        x, y = next(feature_batches("mlp", 2, rank=rank, world_size=world))
+        engine = infinity.initialize(model=make_model("mlp"), config=config)[0]
+        x, y = next(batches("mlp", 2, rank=rank, world_size=world))
         _, loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -143,11 +145,15 @@ def save_16bit(tmp: str, enabled: bool, dtype: str) -> dict[str, Any]:
     save_16bit_model returned."""
     rank, world = rank_and_world()
     extra: dict[str, Any] = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
-    cfg = feature_config(
-        extra=extra, extra_zero={"stage3_gather_16bit_weights_on_model_save": enabled}, offload="cpu"
+    cfg = config(
+        "mlp",
+        offload_param="cpu",
+        offload_optimizer="cpu",
+        extra=extra,
+        extra_zero={"stage3_gather_16bit_weights_on_model_save": enabled},
     )
-    engine = infinity.initialize(model=build("mlp"), config=cfg)[0]
-    data = feature_batches("mlp", 2, rank=rank, world_size=world, dtype=engine.compute_dtype)
+    engine = infinity.initialize(model=make_model("mlp"), config=cfg)[0]
+    data = batches("mlp", 2, rank=rank, world_size=world, dtype=engine.compute_dtype)
     for _ in range(2):
         x, y = next(data)
         _, loss = engine(x, y)
@@ -166,11 +172,11 @@ def timed_steps(steps: int, wall_clock: bool) -> dict[str, Any]:
     """Train with steps_per_print 2 and wall_clock_breakdown as given; output, the last split, seconds spent."""
     import time
 
-    cfg = feature_config(extra={"wall_clock_breakdown": wall_clock, "steps_per_print": 2})
+    cfg = config("mlp", extra={"wall_clock_breakdown": wall_clock, "steps_per_print": 2})
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        engine = infinity.initialize(model=build("mlp"), config=cfg)[0]
-        data = feature_batches("mlp", 2)
+        engine = infinity.initialize(model=make_model("mlp"), config=cfg)[0]
+        data = batches("mlp", 2)
         start = time.perf_counter()
         for _ in range(steps):
             x, y = next(data)

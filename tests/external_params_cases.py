@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from engine_cases import LR, WEIGHT_DECAY, batches, make_model
-from engine_features_cases import feature_batches, rank_and_world
+from harness import config, rank_and_world
 from torch import nn
+from toy_models import batches, make_model
 
 import infinity
 from infinity.partition.sharded_block import BlockState
@@ -67,9 +67,7 @@ def build_external(kind: str, seed: int = 0) -> nn.Module:
 
 
 def external_batches(kind: str, micro_bs: int, rank: int = 0, world_size: int = 1):
-    if kind.startswith("gpt"):
-        return batches("gpt", micro_bs, rank=rank, world_size=world_size)
-    return feature_batches("mlp", micro_bs, rank=rank, world_size=world_size)
+    return batches("gpt" if kind.startswith("gpt") else "mlp", micro_bs, rank=rank, world_size=world_size)
 
 
 BLOCK_CLASSES = {"gpt_head_reads_embedding": ["Block", "Embedding"], "peer_reads": ["PeerLayer"]}
@@ -77,19 +75,14 @@ BLOCK_CLASSES = {"gpt_head_reads_embedding": ["Block", "Embedding"], "peer_reads
 
 def external_config(kind: str, micro_bs: int, nvme_path: str, reuse_distance: int) -> dict:
     """Parameters and optimizer on NVMe, every parameter in a block or the root (none persistent)."""
-    return {
-        "train_micro_batch_size_per_gpu": micro_bs,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {
-            "stage": 3,
-            "block_classes": BLOCK_CLASSES[kind],
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": reuse_distance,
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
-        },
-    }
+    return config(
+        micro_bs=micro_bs,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=nvme_path,
+        block_classes=tuple(BLOCK_CLASSES[kind]),
+        extra_zero={"stage3_max_reuse_distance": reuse_distance},
+    )
 
 
 def train_external(kind: str, config: dict, steps: int, micro_bs: int) -> dict[str, Any]:

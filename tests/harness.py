@@ -5,6 +5,7 @@ loop and one parity check. The models and data they train are `toy_models`'s, by
     results = run_distributed(train_on_rank, 2, "mlp", cfg, STEPS, MICRO_BS)   # infinity, on each rank
     ref = reference_for("mlp", STEPS, 2 * MICRO_BS)                           # plain PyTorch, one process
     assert_matches_reference(results, ref.losses, ref.state)
+    # or, the two last lines in one: assert_matches_plain_pytorch(results, "mlp", STEPS, MICRO_BS)
 
 How batches map: optimizer step s consumes the next `grad_accum` global micro-batches; a global micro-batch
 is what all N ranks see in one micro-step, concatenated in rank order (`toy_models.batches`). As in
@@ -136,6 +137,7 @@ def reference_train(
     dtype: torch.dtype = torch.float32,
     step_kwargs: Callable[[int], dict] | None = None,
     lr_lambda: Callable[[int], float] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Reference:
     """Train `model_fn()` with plain PyTorch on one process for `steps` optimizer steps.
 
@@ -145,11 +147,12 @@ def reference_train(
     it); the model's forward is `model(x, y, **step_kwargs(step)) -> (out, loss)`; `lr_lambda` drives a
     LambdaLR. With `dtype=torch.bfloat16` forward and backward run on a bf16 copy while fp32 master weights,
     fp32-accumulated gradients, clipping and the optimizer stay in fp32 (mixed precision as DeepSpeed's bf16).
+    Training runs on `device` (the batches are moved there); the returned state is on the CPU.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"reference_train supports float32 and bfloat16, not {dtype}")
-    master = model_fn().float()
-    compute = master if dtype == torch.float32 else model_fn().to(dtype)
+    master = model_fn().float().to(device)
+    compute = master if dtype == torch.float32 else model_fn().to(device, dtype)
     if compute is not master:
         compute.load_state_dict(master.state_dict())
     params = list(master.parameters())
@@ -164,7 +167,7 @@ def reference_train(
         opt.zero_grad(set_to_none=True)
         step_loss = 0.0
         for _ in range(grad_accum):
-            x, y = (t.to(dtype) if t.is_floating_point() else t for t in next(it))
+            x, y = (t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in next(it))
             _, loss = compute(x, y, **(step_kwargs(step) if step_kwargs else {}))
             (loss / grad_accum).backward()
             step_loss += loss.item() / grad_accum
@@ -184,7 +187,7 @@ def reference_train(
                 for p, q in zip(params, compute.parameters(), strict=True):
                     q.copy_(p)
         losses.append(step_loss)
-    return Reference(losses, {k: v.detach().clone() for k, v in master.state_dict().items()}, lrs)
+    return Reference(losses, {k: v.detach().to("cpu", copy=True) for k, v in master.state_dict().items()}, lrs)
 
 
 def reference_for(
@@ -196,9 +199,10 @@ def reference_for(
     clip: float = 1.0,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device: torch.device | str = "cpu",
     **kwargs: Any,
 ) -> Reference:
-    """`reference_train` of the toy model `kind` on its global batches of `global_bs` rows."""
+    """`reference_train` of the toy model `kind` on its global batches of `global_bs` rows, on `device`."""
     return reference_train(
         lambda: make_model(kind, seed),
         batches(kind, global_bs, seed=seed),
@@ -206,6 +210,7 @@ def reference_for(
         grad_accum=grad_accum,
         clip=clip,
         dtype=dtype,
+        device=device,
         **kwargs,
     )
 
@@ -242,7 +247,8 @@ def train_on_rank(
     initialize(model_parameters=...); `scheduler_factory` as lr_scheduler (a callable taking the engine's optimizer);
     `user_lr_lambda` builds a LambdaLR on the returned optimizer that this loop steps after each optimizer
     step, as a user would. Returns plain data: per-step losses, the full state dict, the initial one, the
-    lrs before each step, skipped steps, shards stepped during backward and forward trace invalidations.
+    lrs before each step, skipped steps, shards stepped during backward and forward trace invalidations,
+    the bytes moved between tiers (`engine.bytes_moved`) and this rank's trainable shard elements.
     """
     rank, world = rank_and_world()
     model = make_model(kind, seed)
@@ -282,6 +288,8 @@ def train_on_rank(
         "stepped_in_backward": engine.optimizer.stepped_in_backward,
         "stepped_when_needed": engine.optimizer.stepped_when_needed,
         "forward_invalidations": engine.scheduler.forward_trace.invalidations,
+        "bytes_moved": engine.bytes_moved,
+        "trainable_shard_elems": sum(f.shard_numel for f in engine.flats if f.requires_grad),
     }
     engine.close()
     return result
@@ -306,6 +314,26 @@ def assert_matches_reference(
     for other in results[1:]:
         for key, value in results[0]["state"].items():
             assert torch.equal(other["state"][key], value), key
+
+
+def assert_matches_plain_pytorch(
+    results: list[dict],
+    kind: str,
+    steps: int,
+    micro_bs: int,
+    *,
+    grad_accum: int = 1,
+    clip: float = 1.0,
+    dtype: str = "fp32",
+    device: torch.device | str = "cpu",
+) -> None:
+    """`assert_matches_reference` of the ranks' `train_on_rank` results for `kind` (`micro_bs` rows each) against
+    `reference_for` the same global batches, trained on `device`."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    ref = reference_for(
+        kind, steps, micro_bs * len(results), grad_accum=grad_accum, clip=clip, dtype=torch_dtype, device=device
+    )
+    assert_matches_reference(results, ref.losses, ref.state, dtype)
 
 
 MIN_OUTLIERS = 4  # a small tensor (a 32-wide norm) may hold a few outliers too, not only a fraction

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from engine_cases import batches, make_model
-from engine_features_cases import rank_and_world
+from harness import config, rank_and_world
+from toy_models import batches, make_model
 
 import infinity
 from infinity.optim.sharded_adam import ShardedAdam
-from infinity.shards import ShardKind
 
 # Chosen so that every mistake below moves the result far more than mixed precision's own rounding does:
 # a clip well under the gradient norm (clipping on every step, by a varying factor), an eps near the clipped
@@ -28,24 +27,22 @@ MUTATIONS = ("no_weight_decay", "no_clipping", "beta2_0.99", "grads_left_scaled"
 
 
 def mp_config(dtype: str, micro_bs: int, grad_accum: int, offload: str, nvme_path: str | None = None) -> dict:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_bs,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": CLIP,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
-        },
-        "zero_optimization": {
-            "stage": 3,
-            "block_classes": ["Block"],
-            "stage3_param_persistence_threshold": 64,
-            "offload_param": {"device": offload, "nvme_path": nvme_path},
-            "offload_optimizer": {"device": offload, "nvme_path": nvme_path},
-        },
+    optimizer = {
+        "type": "AdamW",
+        "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
     }
-    cfg["bf16" if dtype == "bf16" else "fp16"] = {"enabled": True} if dtype == "bf16" else dict(FP16)
-    return cfg
+    precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {"fp16": dict(FP16)}
+    return config(
+        "gpt",
+        micro_bs=micro_bs,
+        grad_accum=grad_accum,
+        clip=CLIP,
+        persistence=64,
+        offload_param=offload,
+        offload_optimizer=offload,
+        nvme_path=nvme_path,
+        extra={"optimizer": optimizer, **precision},
+    )
 
 
 def _mutate(engine, mutation: str | None, monkeypatch_clip) -> None:
@@ -65,12 +62,12 @@ def _mutate(engine, mutation: str | None, monkeypatch_clip) -> None:
         original = engine.optimizer.step
         calls = [0]
 
-        def step(closure=None, grad_scale: float = 1.0):
+        def step(closure=None, grad_scale: float = 1.0, **kwargs):
             calls[0] += 1
             if mutation == "step_skipped" and calls[0] == 2:
                 return None  # the second applied step updates nothing
             factor = 2.0**16 if mutation == "grads_left_scaled" else 1.0
-            return original(closure, grad_scale=grad_scale * factor)
+            return original(closure, grad_scale=grad_scale * factor, **kwargs)
 
         engine.optimizer.step = step
     else:
@@ -112,10 +109,11 @@ def _moments(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """AdamW's (m, v) of every trainable parameter, by its first name, gathered from every rank's shards."""
     out: dict[str, list[torch.Tensor]] = {}
     for flat in engine.shards.records:
-        for kind in (ShardKind.EXP_AVG, ShardKind.EXP_AVG_SQ):
-            shard = engine.shards.read(flat, kind)
+        moments = engine.shards.read_moments(flat)  # fp32 moments: float32 views of the packed slot
+        for name in ("exp_avg", "exp_avg_sq"):
+            shard = moments[name]
             full = torch.empty(flat.padded_numel, dtype=torch.float32)
-            engine.comm.all_gather(full, shard, f"{kind.value} of {flat.name}")
+            engine.comm.all_gather(full, shard, f"{name} of {flat.name}")
             for fqn, value in flat.unflatten(full).items():
                 out.setdefault(fqn, []).append(value.clone())
     return {name: (m, v) for name, (m, v) in out.items()}

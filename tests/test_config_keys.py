@@ -21,8 +21,7 @@ from config_keys_cases import (
     train_with_unused,
 )
 from dist import run_distributed
-from engine_features_cases import feature_config, reference_for, train_features
-from test_engine_correctness import assert_weights_close
+from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank
 
 from infinity.config import NO_EFFECT, InfinityConfig, load_config, no_effect_notices
 
@@ -68,10 +67,9 @@ def test_pre_dividing_keeps_a_sum_near_the_fp32_limit_finite(extra):
 
 @pytest.mark.parametrize("extra", [{"prescale_gradients": True}, {"gradient_predivide_factor": 3.0}])
 def test_training_with_gradient_scaling_matches_plain_pytorch(extra):
-    results = run_distributed(train_features, 2, "mlp", feature_config(micro_bs=2, extra=extra), 4, 2)
+    results = run_distributed(train_on_rank, 2, "mlp", config("mlp", micro_bs=2, extra=extra), 4, 2)
     ref_losses, ref_state, _ = reference_for("mlp", 4, 4)
-    losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True)]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(results[0]["state"], ref_state)
 
 
@@ -91,9 +89,8 @@ def test_unused_parameters_stop_the_step_on_every_rank_when_not_ignored():
 
 def test_unused_parameters_are_let_through_by_default_and_the_rest_trains_like_plain_pytorch():
     results = run_distributed(train_with_unused, 2, True, 3)
-    ref_losses, ref_state = plain_with_unused(3, 4)
-    losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True)]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    ref_losses, ref_state, _ = plain_with_unused(3, 4)
+    assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5)
     used = {k: v for k, v in ref_state.items() if not k.startswith("unused.")}
     assert_weights_close({k: results[0]["state"][k] for k in used}, used)
 
@@ -201,7 +198,7 @@ def _non_default(key: str) -> dict:
 def test_a_key_without_effect_set_away_from_its_default_gets_one_notice(key):
     extra = _non_default(key)
     zero = extra.pop("zero_optimization", {})
-    cfg = feature_config(extra=extra, extra_zero=zero)
+    cfg = config("mlp", extra=extra, extra_zero=zero)
     notices = no_effect_notices(load_config(cfg))
     assert len(notices) == 1 and f"'{key}'" in notices[0] and "no effect" in notices[0]
     printed = initialize_and_capture(cfg)["stderr"]
@@ -209,7 +206,7 @@ def test_a_key_without_effect_set_away_from_its_default_gets_one_notice(key):
 
 
 def test_the_notices_are_printed_by_rank_0_only_and_not_for_defaults():
-    cfg = feature_config(extra={"zero_allow_untested_optimizer": True})
+    cfg = config("mlp", extra={"zero_allow_untested_optimizer": True})
     rank0, rank1 = run_distributed(initialize_and_capture, 2, cfg)
     assert "zero_allow_untested_optimizer" in rank0["stderr"] and rank1["stderr"] == ""
-    assert no_effect_notices(load_config(feature_config())) == []
+    assert no_effect_notices(load_config(config("mlp"))) == []

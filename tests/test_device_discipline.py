@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from device_check import DeviceMixCheck
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model
-from engine_features_cases import build, feature_config
+from harness import config
+from toy_models import batches, make_model
 
 import infinity
 from infinity.cli.train import _mean_over_ranks
@@ -36,7 +36,7 @@ cpu_compute = pytest.mark.skipif(torch.cuda.is_available(), reason="the engine c
         lambda c, t: c.all_reduce(t, "loss for the progress display"),
         lambda c, t: c.broadcast(t, 0, "loss for the progress display"),
         lambda c, t: c.all_gather(t.clone(), t, "loss for the progress display"),
-        lambda c, t: c.reduce_scatter_mean(t.clone(), t, "loss for the progress display"),
+        lambda c, t: c.reduce_scatter_sum(t.clone(), t, "loss for the progress display"),
     ],
     ids=["all_reduce", "broadcast", "all_gather", "reduce_scatter"],
 )
@@ -86,7 +86,7 @@ def test_a_gloo_group_for_a_rank_computing_on_a_gpu_is_refused():
 
 
 def _train_loss_mean(value: float) -> tuple[float, str]:
-    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=feature_config())
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=config("mlp"))
     try:
         return _mean_over_ranks(engine, value + engine.comm.rank), str(engine.comm.device)
     finally:
@@ -142,7 +142,7 @@ def test_an_input_on_another_device_is_refused_naming_it(args, kwargs, where):
 
 @cpu_compute
 def test_the_engine_refuses_an_input_on_another_device_before_running_the_model():
-    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=feature_config())
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=config("mlp"))
     try:
         with pytest.raises(ValueError, match=r"forward input args\[1\] is on meta"):
             engine(torch.randn(2, 16), torch.empty(2, 8, device="meta"))
@@ -180,7 +180,7 @@ def test_more_local_ranks_than_gpus_is_refused_with_the_fix():
 @cpu_compute
 def test_a_cpu_only_machine_computes_and_communicates_on_the_cpu():
     assert comm_device(torch.device("cpu"), None) == torch.device("cpu")
-    engine, _, _, _ = infinity.initialize(model=build("mlp"), config=feature_config())
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=config("mlp"))
     try:
         assert engine.device == engine.comm.device == torch.device("cpu")
     finally:
@@ -208,8 +208,10 @@ def test_the_device_mix_check_flags_mixed_ops_and_lets_copies_and_scalars_pass()
 
 @cpu_compute
 def test_training_with_the_device_apart_passes_the_device_mix_check():
-    cfg = ds_config(micro_bs=2, grad_accum=2, offload_param="cpu", offload_optimizer="cpu", dtype="bf16")
-    cfg["zero_optimization"]["device_budget_bytes"] = 64 << 20
+    cfg = config(
+        micro_bs=2, persistence=64, grad_accum=2, offload_param="cpu", offload_optimizer="cpu", dtype="bf16",
+        extra_zero={"device_budget_bytes": 64 << 20},
+    )  # fmt: skip
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     data = batches("gpt", 2)
     try:

@@ -9,18 +9,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 from dist import run_distributed
-from harness import assert_matches_reference, assert_weights_close, config, mean_losses, reference_for, train_on_rank
+from harness import assert_matches_plain_pytorch, assert_weights_close, config, mean_losses, train_on_rank
 
 STEPS = 4
 MICRO_BS = 2
-
-
-def _check(kind: str, world: int, results: list[dict], grad_accum: int, clip: float, dtype: str) -> None:
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    ref = reference_for(kind, STEPS, MICRO_BS * world, grad_accum=grad_accum, clip=clip, dtype=torch_dtype)
-    assert_matches_reference(results, ref.losses, ref.state, dtype)
 
 
 MATRIX = list(itertools.product([1, 2], ["none", "cpu"], ["none", "cpu"], ["fp32", "bf16"], [1, 2]))
@@ -37,7 +30,7 @@ def test_gpt_matches_plain_pytorch(world, offload_param, offload_optimizer, dtyp
         dtype=dtype,
     )
     results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
-    _check("gpt", world, results, grad_accum, 1.0, dtype)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, dtype=dtype)
 
 
 NVME_MATRIX = [
@@ -60,7 +53,7 @@ def test_gpt_with_nvme_matches_plain_pytorch(tmp_path, world, offload_param, off
         nvme_path=str(tmp_path),
     )
     results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
-    _check("gpt", world, results, 2, 1.0, dtype)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=2, dtype=dtype)
     assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
 
 
@@ -83,7 +76,7 @@ def test_nvme_optimizer_stepped_during_backward_matches_plain_pytorch(
         nvme_path=str(tmp_path),
     )
     results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
-    _check("gpt", world, results, grad_accum, 0.0, dtype)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, clip=0.0, dtype=dtype)
     assert all(r["stepped_in_backward"] > 0 for r in results)
 
 
@@ -92,7 +85,7 @@ def test_nvme_optimizer_stepped_during_backward_matches_plain_pytorch(
 def test_mlp_matches_plain_pytorch(world, offload):
     cfg = config("mlp_h40", micro_bs=MICRO_BS, persistence=64, offload_param=offload, offload_optimizer=offload)
     results = run_distributed(train_on_rank, world, "mlp_h40", cfg, STEPS, MICRO_BS, timeout_s=120)
-    _check("mlp_h40", world, results, 1, 1.0, "fp32")
+    assert_matches_plain_pytorch(results, "mlp_h40", STEPS, MICRO_BS)
 
 
 def test_world_size_two_matches_world_size_one():

@@ -3,7 +3,7 @@
 The models (external_params_cases.py) read a block's weight from the parent's forward, from another block,
 and through a block's submodule called by the parent, with no change made for infinity. Parameters and
 optimizer live on NVMe so every block is really released between uses (one rank with in-memory shards
-would keep them resident). Tolerances are test_engine_correctness.py's fp32 ones.
+would keep them resident). Tolerances are the harness's fp32 ones (`assert_matches_reference`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ import tempfile
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import reference_run
-from engine_features_cases import plain_train
 from external_params_cases import build_external, external_batches, external_config, inference_external, train_external
-from test_engine_correctness import assert_weights_close
+from harness import Reference, assert_matches_reference, reference_for, reference_train
 
 STEPS = 4
 MICRO_BS = 2
-FP32_LOSS_RTOL = 1e-5
 DEFAULT_REUSE = 1_000_000_000
 
 
@@ -32,21 +29,15 @@ def _run(kind: str, world: int, reuse_distance: int) -> tuple:
         return tuple(run_distributed(train_external, world, kind, cfg, STEPS, MICRO_BS, timeout_s=120))
 
 
-def _reference(kind: str, world: int) -> tuple[list[float], dict]:
+def _reference(kind: str, world: int) -> Reference:
     if kind.startswith("gpt"):
-        return reference_run("gpt_functional_tie", STEPS, MICRO_BS * world, 1, 1.0, torch.float32)
-    losses, state, _ = plain_train(build_external(kind), external_batches(kind, MICRO_BS * world), STEPS)
-    return losses, state
+        return reference_for("gpt_functional_tie", STEPS, MICRO_BS * world)
+    return reference_train(lambda: build_external(kind), external_batches(kind, MICRO_BS * world), STEPS)
 
 
 def _assert_matches_plain_pytorch(kind: str, world: int, results: tuple) -> None:
-    ref_losses, ref_state = _reference(kind, world)
-    losses = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
-    assert losses == pytest.approx(ref_losses, rel=FP32_LOSS_RTOL)
-    assert_weights_close(results[0]["state"], ref_state)
-    for other in results[1:]:
-        for key, value in results[0]["state"].items():
-            assert torch.equal(other["state"][key], value), key
+    ref = _reference(kind, world)
+    assert_matches_reference(list(results), ref.losses, ref.state)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -2,8 +2,8 @@
 no op of a step mixing host and device memory.
 
 Marked `cuda`: skipped where no GPU exists (conftest), run by `make gpu-check`. Worlds: one rank, and one
-rank per GPU when the machine has several (NCCL). Tolerances are those of `test_engine_correctness`, with
-the reference trained on the same GPU.
+rank per GPU when the machine has several (NCCL). Tolerances are the harness's (`assert_matches_reference`),
+with the reference trained on the same GPU.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import pytest
 import torch
 from device_check import DeviceMixCheck
 from dist import run_distributed
-from engine_cases import batches, ds_config, make_model, mean_over_ranks, reference_run, train_infinity
-from test_engine_correctness import MICRO_BS, STEPS, assert_weights_close
+from harness import assert_matches_plain_pytorch, config, train_on_rank
+from toy_models import batches, make_model
 
 import infinity
 
 pytestmark = pytest.mark.cuda
+
+STEPS = 4
+MICRO_BS = 2
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLDS = [1, GPUS] if GPUS > 1 else [1]
@@ -27,8 +30,9 @@ MATRIX = list(itertools.product(WORLDS, ["none", "cpu", "nvme"], ["fp32", "bf16"
 
 
 def _run(tmp_path, world: int, offload: str, dtype: str, grad_accum: int, clip: float = 1.0) -> list[dict]:
-    cfg = ds_config(
+    cfg = config(
         micro_bs=MICRO_BS,
+        persistence=64,
         grad_accum=grad_accum,
         offload_param=offload,
         offload_optimizer=offload,
@@ -37,26 +41,21 @@ def _run(tmp_path, world: int, offload: str, dtype: str, grad_accum: int, clip: 
         nvme_path=str(tmp_path),
     )
     return run_distributed(  # one rank runs without a process group, as without a launcher
-        train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=300, backend="nccl", init_process_group=world > 1
+        train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=300, backend="nccl", init_process_group=world > 1
     )
 
 
-def _check_against_pytorch_on_the_gpu(results: list[dict], world: int, grad_accum: int, clip: float, dtype: str):
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    ref_losses, ref_state = reference_run(
-        "gpt", STEPS, MICRO_BS * world, grad_accum, clip, torch_dtype, device=torch.device("cuda", 0)
+def _check_against_pytorch_on_the_gpu(results: list[dict], grad_accum: int, clip: float, dtype: str):
+    cuda0 = torch.device("cuda", 0)
+    assert_matches_plain_pytorch(
+        results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, clip=clip, dtype=dtype, device=cuda0
     )
-    assert mean_over_ranks(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
-    assert_weights_close(results[0]["state"], ref_state, dtype)
-    for other in results[1:]:
-        for key, value in results[0]["state"].items():
-            assert torch.equal(other["state"][key], value)
 
 
 @pytest.mark.parametrize("world,offload,dtype,grad_accum", MATRIX)
 def test_gpt_on_the_gpu_matches_plain_pytorch(tmp_path, world, offload, dtype, grad_accum):
     results = _run(tmp_path, world, offload, dtype, grad_accum)
-    _check_against_pytorch_on_the_gpu(results, world, grad_accum, 1.0, dtype)
+    _check_against_pytorch_on_the_gpu(results, grad_accum, 1.0, dtype)
     for r in results:  # offloaded optimizers get each micro-batch's gradient shards, in the compute dtype
         expected = STEPS * grad_accum * r["trainable_shard_elems"] * (2 if dtype == "bf16" else 4)
         assert r["bytes_moved"].get("device->host", 0) == (0 if offload == "none" else expected)
@@ -65,16 +64,16 @@ def test_gpt_on_the_gpu_matches_plain_pytorch(tmp_path, world, offload, dtype, g
 @pytest.mark.parametrize("world", WORLDS)
 def test_the_nvme_optimizer_stepping_during_backward_on_the_gpu_matches_plain_pytorch(tmp_path, world):
     results = _run(tmp_path, world, "nvme", "bf16", 1, clip=0.0)
-    _check_against_pytorch_on_the_gpu(results, world, 1, 0.0, "bf16")
+    _check_against_pytorch_on_the_gpu(results, 1, 0.0, "bf16")
     assert all(r["stepped_in_backward"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_no_op_of_a_step_mixes_host_and_device_memory(tmp_path, offload):
     device = torch.device("cuda", torch.cuda.current_device())
-    cfg = ds_config(
-        micro_bs=MICRO_BS, grad_accum=2, offload_param=offload, offload_optimizer=offload, dtype="bf16",
-        nvme_path=str(tmp_path),
+    cfg = config(
+        micro_bs=MICRO_BS, persistence=64, grad_accum=2, offload_param=offload, offload_optimizer=offload,
+        dtype="bf16", nvme_path=str(tmp_path),
     )  # fmt: skip
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     data = batches("gpt", MICRO_BS)

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import pytest
 from dist import run_distributed
-from engine_cases import ds_config, train_infinity
-from test_engine_correctness import MICRO_BS, STEPS, _check
+from harness import assert_matches_plain_pytorch, config, train_on_rank
 
 from infinity.storage.streams import simulate_async_copies
 
+STEPS = 4
+MICRO_BS = 2
 DEVICE_BUDGET = 64 << 20  # the device tier apart from the host, ample for the tiny GPT
 
 
 def _config(tmp_path, offload_param: str, offload_optimizer: str, dtype: str, grad_accum: int, clip: float = 1.0):
-    return ds_config(
+    return config(
         micro_bs=MICRO_BS,
+        persistence=64,
         grad_accum=grad_accum,
         offload_param=offload_param,
         offload_optimizer=offload_optimizer,
@@ -34,7 +36,7 @@ def _config(tmp_path, offload_param: str, offload_optimizer: str, dtype: str, gr
 
 def _train_with_late_copies(delay_s: float, *args) -> dict:
     with simulate_async_copies(delay_s):
-        return train_infinity(*args)
+        return train_on_rank(*args)
 
 
 def _expected_grad_bytes(result: dict, dtype: str, grad_accum: int) -> int:
@@ -56,8 +58,8 @@ def test_gradients_cross_in_the_compute_dtype_counted_and_matching_plain_pytorch
     tmp_path, world, offload_param, offload_optimizer, dtype, grad_accum
 ):
     cfg = _config(tmp_path, offload_param, offload_optimizer, dtype, grad_accum)
-    results = run_distributed(train_infinity, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=180)
-    _check("gpt", world, results, grad_accum, 1.0, dtype)
+    results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=180)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, dtype=dtype)
     for result in results:
         assert result["bytes_moved"]["device->host"] == _expected_grad_bytes(result, dtype, grad_accum)
 
@@ -65,15 +67,15 @@ def test_gradients_cross_in_the_compute_dtype_counted_and_matching_plain_pytorch
 def test_the_nvme_optimizer_stepping_as_gradients_arrive_takes_them_in_bf16(tmp_path):
     """No clipping: each shard is stepped as its gradient arrives, by the native Adam from bf16 gradients."""
     cfg = _config(tmp_path, "none", "nvme", "bf16", 1, clip=0.0)
-    results = run_distributed(train_infinity, 1, "gpt", cfg, STEPS, MICRO_BS, timeout_s=180)
-    _check("gpt", 1, results, 1, 0.0, "bf16")
+    results = run_distributed(train_on_rank, 1, "gpt", cfg, STEPS, MICRO_BS, timeout_s=180)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, clip=0.0, dtype="bf16")
     assert results[0]["stepped_in_backward"] > 0
     assert results[0]["bytes_moved"]["device->host"] == _expected_grad_bytes(results[0], "bf16", 1)
 
 
 def test_without_a_device_apart_no_gradient_bytes_cross():
-    cfg = ds_config(micro_bs=MICRO_BS, offload_param="cpu", offload_optimizer="cpu", dtype="bf16")
-    results = run_distributed(train_infinity, 1, "gpt", cfg, STEPS, MICRO_BS, timeout_s=180)
+    cfg = config(micro_bs=MICRO_BS, persistence=64, offload_param="cpu", offload_optimizer="cpu", dtype="bf16")
+    results = run_distributed(train_on_rank, 1, "gpt", cfg, STEPS, MICRO_BS, timeout_s=180)
     assert "device->host" not in results[0]["bytes_moved"]  # the compute reads host memory: nothing crosses
 
 
@@ -87,4 +89,4 @@ def test_copies_landing_late_still_match_plain_pytorch(
     """The copy stream runs every copy 5 ms late: shards fetched to the device, gradients down, weights up."""
     cfg = _config(tmp_path, offload_param, offload_optimizer, "bf16", grad_accum, clip)
     results = run_distributed(_train_with_late_copies, world, 0.005, "gpt", cfg, STEPS, MICRO_BS, timeout_s=240)
-    _check("gpt", world, results, grad_accum, clip, "bf16")
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, clip=clip, dtype="bf16")

@@ -27,9 +27,9 @@ import tempfile
 import pytest
 import torch
 from dist import run_distributed
-from engine_cases import batches, make_model
 from mixed_precision_cases import BETAS, CLIP, EPS, FP16, LR, MUTATIONS, WEIGHT_DECAY, train_mixed
 from mixed_precision_reference import DynamicScale, MixedRun, train_mixed_reference
+from toy_models import batches, make_model
 
 STEPS = 6
 MICRO_BS = 2

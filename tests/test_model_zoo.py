@@ -2,9 +2,9 @@
 
 Each (zoo_cases.py) is built from its config with no download, trained for a few steps with parameters and
 optimizer on NVMe, on one and on two ranks, and compared with `torch.optim.AdamW` and global-norm clipping
-in fp32 on one process: losses to rtol 1e-5 and final weights by test_engine_correctness's
-`assert_weights_close`. Each world size trains every architecture in one distributed run (transformers is
-imported once per rank), and prints each one's seconds.
+in fp32 on one process: losses to rtol 1e-5 and final weights by the harness's `assert_weights_close`
+(`assert_matches_reference`). Each world size trains every architecture in one distributed run
+(transformers is imported once per rank), and prints each one's seconds.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import functools
 import tempfile
 
 import pytest
-import torch
 from dist import run_distributed
-from test_engine_correctness import assert_weights_close
+from harness import assert_matches_reference
 from zoo_cases import ZOO, plain_zoo, train_zoo
 
 pytest.importorskip("transformers")
@@ -36,9 +35,4 @@ def test_zoo_model_matches_plain_pytorch_with_nvme_offload(arch, world):
     results = [r[arch] for r in _zoo_run(world)]
     print(f"{arch} world {world}: {results[0]['seconds']:.2f} s")
     ref_losses, ref_state = plain_zoo(arch, STEPS, MICRO_BS * world)
-    losses = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    assert_weights_close(results[0]["state"], ref_state)
-    for other in results[1:]:
-        for key, value in results[0]["state"].items():
-            assert torch.equal(other["state"][key], value), key
+    assert_matches_reference(results, ref_losses, ref_state)

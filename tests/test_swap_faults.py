@@ -30,5 +30,8 @@ def test_a_damaged_swap_file_stops_the_run_within_one_step(tmp_path: Path, world
     swap = str(tmp_path / f"infinity-rank{fault_rank}.swap")
     assert caught.steps_after_fault == 0, caught.message  # the first step after the damage stops
     assert caught.kind == kind and words in caught.message and swap in caught.message, caught.message
-    assert "resume from its last checkpoint" in caught.message and caught.message.count("fetch of") == 1
+    # the first I/O to meet the damage names its shard once: a fetch, or the write-behind of a step owed to the
+    # next forward (the NVMe optimizer's deferred step)
+    named = caught.message.count("fetch of") + caught.message.count("write of")
+    assert "resume from its last checkpoint" in caught.message and named == 1
     assert caught.swap_left == (fault == "replace")  # close removes its own file, never a replacement

@@ -13,7 +13,14 @@ import itertools
 import pytest
 import torch
 from dist import run_distributed
-from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank
+from harness import (
+    assert_matches_plain_pytorch,
+    assert_weights_close,
+    config,
+    mean_losses,
+    reference_for,
+    train_on_rank,
+)
 from toy_models import batches, make_model
 
 import infinity
@@ -36,21 +43,6 @@ def _stage_config(stage: int, optim: str, dtype: str, grad_accum: int, nvme_path
     )
 
 
-def _check(world: int, results: list[dict], grad_accum: int, dtype: str) -> None:
-    ref_losses, ref_state, _ = reference_for(
-        "gpt",
-        STEPS,
-        MICRO_BS * world,
-        grad_accum=grad_accum,
-        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-    )
-    assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
-    assert_weights_close(results[0]["state"], ref_state, dtype)
-    for other in results[1:]:  # every rank's replicated parameters hold the same weights
-        for key, value in results[0]["state"].items():
-            assert torch.equal(other["state"][key], value)
-
-
 MATRIX = [
     *itertools.product([1, 2], [2], ["none", "cpu", "nvme"], ["fp32", "bf16"], [1, 2]),
     *itertools.product([1, 2], [1], ["none", "cpu", "nvme"], ["fp32", "bf16"], [2]),
@@ -61,7 +53,7 @@ MATRIX = [
 def test_stage_matches_plain_pytorch(tmp_path, stage, world, optim, dtype, grad_accum):
     cfg = _stage_config(stage, optim, dtype, grad_accum, str(tmp_path))
     results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
-    _check(world, results, grad_accum, dtype)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, dtype=dtype)
     assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
 
 

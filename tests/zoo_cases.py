@@ -17,14 +17,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from harness import config, config_adamw
 from torch import nn
 
 VOCAB = 96
 SEQ = 16
 MASKED_PER_ROW = 4
 MASK_ID = 3
-LR = 1e-2
-WEIGHT_DECAY = 0.1
 CLIP = 1.0
 
 _DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB)
@@ -125,18 +124,14 @@ def zoo_config(arch: str, micro_bs: int, nvme_path: str) -> dict:
     """Parameters and optimizer on NVMe; the architecture's layers as blocks; AdamW with clipping, fp32."""
     from infinity.models.hf import find_block_classes
 
-    return {
-        "train_micro_batch_size_per_gpu": micro_bs,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {
-            "stage": 3,
-            "block_classes": list(find_block_classes(build_zoo_model(arch))),
-            "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
-        },
-    }
+    return config(
+        micro_bs=micro_bs,
+        clip=CLIP,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=nvme_path,
+        block_classes=tuple(find_block_classes(build_zoo_model(arch))),
+    )
 
 
 def train_zoo(archs: list[str], steps: int, micro_bs: int, nvme_path: str) -> dict[str, dict]:
@@ -166,10 +161,10 @@ def train_zoo(archs: list[str], steps: int, micro_bs: int, nvme_path: str) -> di
 
 
 def plain_zoo(arch: str, steps: int, global_bs: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The yardstick: the same model and global batches, torch.optim.AdamW, global-norm clipping, fp32."""
+    """The yardstick: the same model and global batches, torch.optim.AdamW, global-norm clipping, fp32 (the
+    harness's `reference_train` with a transformers model's call: a dict of inputs in, `.loss` out)."""
     model = build_zoo_model(arch)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+    opt = config_adamw(model)
     data = zoo_batches(arch, global_bs)
     losses = []
     for _ in range(steps):

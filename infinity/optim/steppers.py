@@ -21,6 +21,7 @@ from infinity.partition.flat_param import FlatParam
 from infinity.profiler.null_writer import NullTraceWriter
 from infinity.shards import LentShard, Returned, ShardStore
 from infinity.shards.moments import moment_format
+from infinity.storage import StorageError
 
 Hyper = Callable[[int], dict[str, Any]]  # a param group's lr, betas, eps and weight_decay, by index
 
@@ -42,8 +43,9 @@ class Stepper(Protocol):
         """Step `flats` later, each when its bytes are next needed, with these gradient scale and
         hyper-parameters (per param group); `flats` in the order they will be needed."""
 
-    def drain(self) -> None:
-        """Finish every write in flight."""
+    def drain(self, raise_errors: bool = True) -> None:
+        """Finish every write in flight; without `raise_errors` (closing) a storage error of one is dropped
+        and the rest are still waited for."""
 
 
 class TorchFusedStepper:
@@ -98,7 +100,7 @@ class TorchFusedStepper:
             lent.master.grad = None
             self.shards.give_back(lent, param_written=False).finish()
 
-    def drain(self) -> None:
+    def drain(self, raise_errors: bool = True) -> None:
         pass
 
 
@@ -275,6 +277,10 @@ class NativeStepper:
         )
         return fused
 
-    def drain(self) -> None:
+    def drain(self, raise_errors: bool = True) -> None:
         while self._returning:
-            self._finish_oldest()
+            try:
+                self._finish_oldest()
+            except StorageError:
+                if raise_errors:
+                    raise

@@ -329,7 +329,7 @@ class BlockScheduler:
         self._position[block.index] = position
         self._ensure_gathered(block)
         if position is not None:
-            self._prefetch(self.forward_trace.upcoming(position))
+            self._prefetch(self.forward_trace.upcoming(position), block.index)
         if reader is self.root and torch.is_grad_enabled():
             self._external.held_for_step.add(block)
 

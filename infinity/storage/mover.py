@@ -252,6 +252,8 @@ class TierMover:
                     home = shard.copies[shard.home].buf[: shard.nbytes]
                     on_device = shard.home is Tier.DEVICE or flat.is_cuda
                     self._copy(home, flat.view(torch.uint8), on_device, after).synchronize()
+            except StorageError as exc:
+                error = self._explain(shard, exc, "write")
             except BaseException as exc:
                 error = exc
             if error is None:
@@ -424,9 +426,9 @@ class TierMover:
         """Under the lock (or in the mover's order): a read of the key's slot, checked against its last write."""
         return self._file.read(buf, shard.nvme_offset, shard.nbytes, shard.nvme_crc, f"fetch of {shard.key!r}")
 
-    def _explain(self, shard: Shard, exc: StorageError) -> StorageError:
-        """The error a fetch raises: which key, and what is wrong with the swap file if anything is."""
-        what = f"fetch of {shard.key!r}"
+    def _explain(self, shard: Shard, exc: StorageError, verb: str = "fetch") -> StorageError:
+        """The error a fetch (or write) raises: which key, and what is wrong with the swap file if anything is."""
+        what = f"{verb} of {shard.key!r}"
         if isinstance(exc, SwapFileChangedError) and not exc.strerror.startswith(what):
             return SwapFileChangedError(exc.errno, f"{what}: {exc.strerror}", exc.filename)
         if isinstance(exc, SwapFileError):
