@@ -250,7 +250,7 @@ def test_a_block_goes_from_sharded_through_fetching_and_gathering_to_unsharded_a
     for name, value in _values(block).items():
         assert torch.equal(value, weights[name]), name
     for flat in block.flats:  # the fetched host copies went once gathered: the home is the NVMe file
-        assert store.tiers.resident(store.key(flat, ShardKind.PARAM)) == ["nvme"]
+        assert store.tiers.tiers_holding(store.key(flat, ShardKind.PARAM)) == ["nvme"]
     block.reshard()
     assert block.state is BlockState.SHARDED and not block.holds_memory
     assert block.module.fc.weight.numel() == 0 and all(f.full.untyped_storage().nbytes() == 0 for f in block.flats)

@@ -139,7 +139,7 @@ def test_parameter_read_ahead_stays_within_its_cap(tmp_path):
     tiers.reset_high_water(Tier.HOST)
     store.read_ahead(flats)
     for f in flats[:3]:  # what fits is on its way; what does not was never asked for
-        assert tiers.resident(store.key(f, ShardKind.PARAM)) in (["nvme"], ["host", "nvme"])
+        assert tiers.tiers_holding(store.key(f, ShardKind.PARAM)) in (["nvme"], ["host", "nvme"])
     handles = [store.fetch_param(f) for f in flats[:3]]
     for h in handles:
         h.wait()

@@ -131,7 +131,7 @@ def test_a_file_truncated_behind_the_stores_back_stops_every_later_access(disk_d
         message = str(info.value)
         assert "fetch of 'high'" in message and store.swap_path in message
         assert f"is {high_offset + 4096} bytes" in message and "truncated" in message and "resume" in message
-        assert "host" not in store.resident("high")
+        assert "host" not in store.tiers_holding("high")
         # The file is no longer trusted: intact keys, new keys and new contents all refuse, naming the cause.
         with pytest.raises(SwapFileChangedError, match="truncated"):
             store.fetch("low", "device").wait()

@@ -64,7 +64,7 @@ def test_random_bytes_written_into_a_shard_are_caught_and_the_other_key_still_re
             store.fetch("b", "host").wait()
         _assert_names_the_read(info.value, store, "b")
         assert "changed in place" in str(info.value)  # the file itself (inode, size, header) is intact
-        assert store.resident("b") == ["nvme"]  # nothing of the damaged read is kept
+        assert store.tiers_holding("b") == ["nvme"]  # nothing of the damaged read is kept
         assert torch.equal(store.fetch("a", "host").wait(), a)  # damage to one slot is that slot's error
         store.release("a", "host")
         store.write("b", b).wait()  # new contents make the key whole again
@@ -90,7 +90,7 @@ def test_a_damaged_shard_never_reaches_the_device_tier(disk_dir: Path) -> None:
         _flip_bit(path, offset + 12345, 3)
         with pytest.raises(ChecksumError):
             store.fetch("a", "device").wait()  # NVMe -> host (verified here) -> device
-        assert store.resident("a") == ["nvme"]
+        assert store.tiers_holding("a") == ["nvme"]
 
 
 def test_padding_past_the_shard_is_not_data_and_not_checked(disk_dir: Path) -> None:

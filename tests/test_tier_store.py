@@ -58,7 +58,7 @@ def test_round_trip_of_every_dtype_and_odd_size_through_every_tier(disk_dir: Pat
                 got = store.fetch(key, tier).wait()
                 assert got.dtype == shards[key].dtype and torch.equal(got, shards[key])
                 store.release(key, tier)
-        assert home in store.resident(0)
+        assert home in store.tiers_holding(0)
 
 
 def test_fetch_of_a_resident_key_is_shared_and_reference_counted(disk_dir: Path) -> None:
@@ -120,7 +120,7 @@ def test_eviction_frees_the_least_recently_released_copy_first(disk_dir: Path) -
         store.release("a", "host")
         store.fetch("c", "host").wait()
         store.release("c", "host")
-        assert "host" in store.resident("a") and "host" not in store.resident("b")
+        assert "host" in store.tiers_holding("a") and "host" not in store.tiers_holding("b")
         recorder.clear()
         store.fetch("a", "host").wait()  # still cached: no move
         assert recorder.events == []
@@ -146,7 +146,7 @@ def test_prefetch_loads_in_order_and_stops_at_the_budget(disk_dir: Path) -> None
         assert store.prefetch(keys[1:], "device") == [keys[1]]
         store.release(keys[0], "device")
         assert store.prefetch(keys[1:], "device") == keys[1:3]
-        assert "device" not in store.resident(keys[0])  # released, then evicted for the prefetch
+        assert "device" not in store.tiers_holding(keys[0])  # released, then evicted for the prefetch
         recorder.clear()
         store.fetch(keys[2], "device").wait()
         assert [e.key for e in recorder.events if e.dst == "device"] in ([], [keys[2]])  # loaded by the prefetch
@@ -173,10 +173,10 @@ def test_write_of_a_fetched_host_copy_goes_home_and_drops_stale_copies(disk_dir:
         master.mul_(2).add_(1)  # an optimizer step in place
         expected = master.clone()
         store.write("m", master).wait()
-        assert "device" not in store.resident("m")  # the old device copy is stale: dropped
+        assert "device" not in store.tiers_holding("m")  # the old device copy is stale: dropped
         store.release("m", "host")
         store.evict("m")
-        assert store.resident("m") == ["nvme"]
+        assert store.tiers_holding("m") == ["nvme"]
         assert torch.equal(store.fetch("m", "device").wait(), expected)
 
 
@@ -198,9 +198,9 @@ def test_evict_moves_the_home_down_and_drop_frees_every_tier(disk_dir: Path) -> 
         store.put("g", t, "device").wait()
         assert store.live_bytes("device") == t.numel() * 4
         store.evict("g", "host")
-        assert store.resident("g") == ["host"] and store.live_bytes("device") == 0
+        assert store.tiers_holding("g") == ["host"] and store.live_bytes("device") == 0
         store.evict("g", "nvme")
-        assert store.resident("g") == ["nvme"] and store.live_bytes("host") == 0
+        assert store.tiers_holding("g") == ["nvme"] and store.live_bytes("host") == 0
         assert torch.equal(store.fetch("g", "host").wait(), t)
         with pytest.raises(RuntimeError, match="still in use"):
             store.drop("g")

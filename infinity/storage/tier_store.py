@@ -335,7 +335,7 @@ class TierStore(TierMover):
             for t in Tier
         }
 
-    def resident(self, key: Hashable) -> list[str]:
+    def tiers_holding(self, key: Hashable) -> list[str]:
         """The tiers holding a loaded copy of `key`, its home included, fastest first."""
         with self._lock:
             shard = self._get(key)
