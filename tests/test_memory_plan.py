@@ -8,8 +8,6 @@ own arithmetic. The model is the toy mlp: blocks of 408, 600 and 600 elements, t
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from harness import config, placement_of, resolved
 from toy_models import make_model
@@ -119,25 +117,17 @@ def _fixed_needs(largest: int, optim: int, held: int = 0) -> int:
     return ShardStore.gather_host_bytes(largest, held, FP32) + ShardStore.grad_accumulation_bytes(optim)
 
 
-def _grads_crossing(optim: int) -> int:
-    """Pinned host bytes of gradients crossing from a device apart from the host (a device budget makes the
-    CPU's device tier apart): they sit beside the tiers, inside an explicit budget."""
-    return ShardStore.grad_staging_bytes(optim, FP32)
-
-
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("shards_that_fit", [1, 2, 3])
 def test_the_optimizer_window_shrinks_to_what_the_budget_leaves(world, shards_that_fit):
     largest, _, _ = _largest(world)
     optim = _optim(world)
     state = NativeStepper.shard_state_bytes(optim)
-    crossing = _grads_crossing(optim)
-    budget = _fixed_needs(largest, optim) + crossing + shards_that_fit * state + state // 2
+    budget = _fixed_needs(largest, optim) + shards_that_fit * state + state // 2
     plan = _plan(_cfg("nvme", "nvme", host_budget=budget, device_budget=HUGE), world)
     assert plan.optimizer_window == shards_that_fit
-    assert plan.budgets.host_bytes == budget - crossing
-    left = budget - crossing - ShardStore.grad_accumulation_bytes(optim) - shards_that_fit * state
-    assert plan.param_read_ahead_bytes == left
+    assert plan.budgets.host_bytes == budget
+    assert plan.param_read_ahead_bytes == budget - ShardStore.grad_accumulation_bytes(optim) - shards_that_fit * state
     assert plan.param_read_ahead_bytes >= ShardStore.gather_host_bytes(largest, 0, FP32)  # a gather still fits
 
 
@@ -145,8 +135,7 @@ def test_a_large_budget_keeps_the_configured_window_and_gives_the_rest_to_read_a
     plan = _plan(_cfg("nvme", "nvme", host_budget=HUGE, device_budget=HUGE))
     state = NativeStepper.shard_state_bytes(_optim())
     assert plan.optimizer_window == WINDOW
-    left = HUGE - _grads_crossing(_optim()) - ShardStore.grad_accumulation_bytes(_optim()) - WINDOW * state
-    assert plan.param_read_ahead_bytes == left
+    assert plan.param_read_ahead_bytes == HUGE - ShardStore.grad_accumulation_bytes(_optim()) - WINDOW * state
 
 
 def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_working_set():
@@ -154,8 +143,7 @@ def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_work
     in_host = _plan(_cfg("nvme", "nvme", host_budget=HUGE))
     on_device = _plan(_cfg("nvme", "nvme", host_budget=HUGE, device_budget=HUGE))
     working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, WINDOW) + always_gathered * FP32
-    # a device apart from the host also has pinned gradient buffers crossing to it within the budget
-    assert on_device.param_read_ahead_bytes - in_host.param_read_ahead_bytes == working - _grads_crossing(_optim())
+    assert on_device.param_read_ahead_bytes - in_host.param_read_ahead_bytes == working
     assert in_host.budgets.host_bytes == HUGE - working  # what the tier store may hold beside the compute
 
 
@@ -164,7 +152,7 @@ def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_work
 
 def test_a_budget_below_one_optimizer_shard_is_refused_with_the_bytes_needed():
     largest, _, _ = _largest()
-    need = _fixed_needs(largest, _optim()) + _grads_crossing(_optim()) + NativeStepper.shard_state_bytes(_optim())
+    need = _fixed_needs(largest, _optim()) + NativeStepper.shard_state_bytes(_optim())
     assert _plan(_cfg("nvme", "nvme", host_budget=need, device_budget=HUGE)).optimizer_window == 1
     key = "'zero_optimization.host_budget_bytes'"
     with pytest.raises(ConfigError, match=rf"{key} is {need - 1};.*at least {need} bytes"):
@@ -204,24 +192,3 @@ def test_sub_group_size_makes_the_optimizer_stream_smaller_pieces():
         expected = NativeStepper.host_bytes(4, unit) + ShardStore.grad_accumulation_bytes(unit)
         assert plan.budgets.host_bytes == expected
     assert plans[1].budgets.host_bytes < plans[0].budgets.host_bytes
-
-
-def test_an_explicit_budget_also_covers_the_pinned_buffers_crossing_to_a_separate_device():
-    """With the device apart from the host, gradients come down and new weights go up through pinned
-    buffers beside the tiers: the budget must leave room for them (`ShardStore.grad_staging_bytes` and the
-    optimizer's window of weights in the compute dtype)."""
-    cfg = _cfg("none", "nvme", device_budget=HUGE)
-    optim = _optim()
-    zero = resolved(cfg, 1).zero_optimization
-    blocks = plan_blocks(make_model("mlp"), ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
-    apart = placement_of(cfg)
-    assert apart.grads_cross_to_host and apart.weights_cross_to_device
-    crossing = _grads_crossing(optim) + WINDOW * optim * FP32
-    need = ShardStore.grad_accumulation_bytes(optim) + NativeStepper.shard_state_bytes(optim)
-    together = replace(zero, host_budget_bytes=need)
-    assert plan_memory(together, blocks, replace(apart, device_apart=False)).optimizer_window == 1
-    with pytest.raises(ConfigError, match=rf"at least {need + crossing} bytes"):
-        plan_memory(together, blocks, apart)
-    roomy = replace(zero, host_budget_bytes=need + crossing)
-    plan = plan_memory(roomy, blocks, apart)
-    assert plan.optimizer_window == 1 and plan.budgets.host_bytes == need

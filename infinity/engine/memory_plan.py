@@ -3,10 +3,8 @@
 Pipelines state their own bounds: `NativeStepper.host_bytes` (the optimizer's window),
 `BlockScheduler.working_set_bytes` (gathered blocks and their gradients, when the compute reads host
 memory), `ShardStore.gather_host_bytes` and `ShardStore.grad_accumulation_bytes` (parameter shards
-in flight, the NVMe gradient read-modify-write), and `ShardStore.grad_staging_bytes` plus the optimizer's
-window of new weights for the pinned buffers crossing to and from a separate device. The plan adds them
-up, and gives the parameters' read-ahead what is left, so neither the optimizer's reads nor the
-parameters' evict the other's.
+in flight, the NVMe gradient read-modify-write). The plan adds them up, and gives the parameters'
+read-ahead what is left, so neither the optimizer's reads nor the parameters' evict the other's.
 """
 
 from __future__ import annotations
@@ -92,23 +90,17 @@ def plan_memory(
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
             working += always_gathered * itemsize
-        # pinned buffers crossing between device and host sit beside the tiers: an explicit budget covers them
-        crossing = 0
-        if placement.grads_cross_to_host:
-            crossing += ShardStore.grad_staging_bytes(optim_largest, itemsize)
-        if placement.weights_cross_to_device:
-            crossing += window * optim_largest * itemsize
-        room = host - working - param_min - grad_rmw - crossing
+        room = host - working - param_min - grad_rmw
         if optim_on_nvme:
             window = min(window, room // shard_state)
         if room < 0 or window < 1:
-            need = working + param_min + grad_rmw + crossing + (shard_state if optim_on_nvme else 0)
+            need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
             raise ConfigError(
                 f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
                 f"elements) needs at least {need} bytes of host memory to stream through: raise the budget, or "
                 "lower 'zero_optimization.sub_group_size' so that the optimizer streams smaller pieces"
             )
-        host -= working + crossing
+        host -= working
         if param_on_nvme:
             read_ahead = host - grad_rmw - (window * shard_state if optim_on_nvme else 0)
     return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
