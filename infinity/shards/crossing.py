@@ -8,7 +8,8 @@ same pool; the compute stream waits for that copy, and the buffer returns to the
 
 Memory bound (pinned host): one buffer of a shard in the compute dtype per copy not yet released; the
 store releases gradients within `ShardStore.grad_staging_bytes`, weights when the optimizer finishes a
-given-back shard (at most its window at once).
+given-back shard (at most its window at once). These buffers sit beside the tiers: `host_budget_bytes`
+bounds what the tier store holds, not them (as the device's working set sits beside `device_budget_bytes`).
 """
 
 from __future__ import annotations
