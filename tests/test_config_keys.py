@@ -205,6 +205,13 @@ def test_a_key_without_effect_set_away_from_its_default_gets_one_notice(key):
     assert printed.count(f"'{key}'") == 1, printed
 
 
+@pytest.mark.parametrize("stage,noticed", [(3, True), (2, False)])
+def test_allgather_bucket_size_is_noticed_as_without_effect_at_stage_3_only(stage, noticed):
+    cfg = config("mlp", extra_zero={"stage": stage, "allgather_bucket_size": 1000})
+    notices = no_effect_notices(load_config(cfg))
+    assert [("allgather_bucket_size" in n and "stage 3" in n) for n in notices] == ([True] if noticed else [])
+
+
 def test_the_notices_are_printed_by_rank_0_only_and_not_for_defaults():
     cfg = config("mlp", extra={"zero_allow_untested_optimizer": True})
     rank0, rank1 = run_distributed(initialize_and_capture, 2, cfg)

@@ -88,20 +88,29 @@ def test_communication_data_type_sets_the_bytes_gradients_cross_ranks_in(tmp_pat
     assert sent[None] * 2 == sent["fp32"] > 0
 
 
-@pytest.mark.parametrize("bucket,per_step", [(10**9, 1), (1, None)])
-def test_allgather_bucket_size_sets_how_many_collectives_share_the_updated_partitions(tmp_path, bucket, per_step):
+def test_allgather_bucket_size_sets_how_many_collectives_share_the_updated_partitions(tmp_path):
     """Stage 2: after each step the updated partitions are all-gathered, in buckets of at most
-    allgather_bucket_size elements: one collective for all flats, or one per flat."""
-    cfg = config(
-        micro_bs=MICRO_BS, persistence=64, offload_optimizer="cpu",
-        extra_zero={"stage": 2, "allgather_bucket_size": bucket},
-    )  # fmt: skip
-    results = run_distributed(train_on_rank, 2, "gpt", _traced(cfg, str(tmp_path)), STEPS, MICRO_BS)
+    allgather_bucket_size elements that never span blocks (each block's weights arrive by themselves,
+    behind the next forward): one collective per block, or one per flat (sub_group_size splits each
+    block into several flats)."""
     ref = reference_for("gpt", STEPS, 2 * MICRO_BS)
-    assert_matches_reference(results, ref.losses, ref.state)
-    gathers = [r for r in _collectives(tmp_path) if r["op"] == "all-gather"]
-    flats = len({r["block"] for r in gathers}) if per_step is None else per_step
-    assert len(gathers) == STEPS * flats and (per_step == 1) == (flats == 1)
+    per_step = {}
+    for bucket in (10**9, 1):
+        cfg = config(
+            micro_bs=MICRO_BS, persistence=64, offload_optimizer="cpu",
+            extra_zero={"stage": 2, "allgather_bucket_size": bucket, "sub_group_size": 4096},
+        )  # fmt: skip
+        trace = tmp_path / str(bucket)
+        results = run_distributed(train_on_rank, 2, "gpt", _traced(cfg, str(trace)), STEPS, MICRO_BS)
+        assert_matches_reference(results, ref.losses, ref.state)
+        gathers = [r for r in _collectives(trace) if r["op"] == "all-gather"]
+        # step k's sharing arrives in step k + 1's forward (the last step's after the trace ends)
+        assert {r["step"] for r in gathers} == set(range(1, STEPS)) and {r["phase"] for r in gathers} == {"forward"}
+        per_step[bucket] = [[r["block"] for r in gathers if r["step"] == step] for step in range(1, STEPS)]
+    flats = per_step[1][0]  # one collective per flat, named by it: "<block>#<i>"
+    blocks = list(dict.fromkeys(name.split("#")[0] for name in flats))
+    assert len(flats) > len(blocks) and all(names == flats for names in per_step[1])
+    assert all([name.split("#")[0] for name in names] == blocks for names in per_step[10**9])
 
 
 def test_sub_group_size_splits_the_optimizers_unit_and_trains_alike(tmp_path):

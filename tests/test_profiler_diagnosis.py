@@ -14,10 +14,11 @@ import pytest
 from infinity.profiler import TraceWriter
 from infinity.profiler.analysis import summarize
 from infinity.profiler.diagnosis import Diagnosis, diagnose
+from infinity.profiler.facts import RunFacts
 from infinity.profiler.report import prepare
 from infinity.profiler.synthetic import SCENARIOS, Scenario, config_for, settings_for, write_scenario
 from infinity.profiler.traces import load_traces
-from infinity.profiler.verdict import OVERLAP_FEATURE
+from infinity.profiler.verdict import OVERLAP_FEATURE, _optimizer_cause
 
 pytestmark = pytest.mark.unit
 
@@ -197,3 +198,22 @@ def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path
     f = d.findings[0]
     assert f.part == "optimizer phase after backward" and "offload_optimizer.device cpu" in f.cause
     assert f.prediction.predicted_step_s == pytest.approx(0.400 + 0.400 + 0.050)
+
+
+@pytest.mark.parametrize(
+    "zero,world,says",
+    [
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, 1, "the trace is from an older version"),
+        ({"stage": 3, "offload_param": {"device": "none"}}, 2, "the trace is from an older version"),
+        ({"stage": 2, "offload_param": {"device": "none"}}, 2, "offload_param.device nvme at stage 3"),
+        ({"stage": 3, "offload_param": {"device": "none"}}, 1, "offload_param.device nvme at stage 3"),
+    ],
+)
+def test_clipping_names_the_overlap_infinity_has_where_parameters_are_gathered(zero, world, says) -> None:
+    """Under clipping the step overlaps the next forward where parameters are gathered (stage 3, offloaded
+    or on several ranks); resident parameters are never gathered, so the remedy names the setting."""
+    zero = {**zero, "offload_optimizer": {"device": "nvme"}}
+    facts = RunFacts({"gradient_clipping": 1.0, "zero_optimization": zero}, world, None, False, True)
+    cause, remedy = _optimizer_cause(facts)
+    assert "gradient_clipping is 1.0" in cause and remedy.startswith(OVERLAP_FEATURE) and says in remedy
+    assert "gradient_clipping 0" in remedy

@@ -60,7 +60,8 @@ def _lookup(cfg: Any, dotted: str) -> Any:
 
 
 def no_effect_notices(cfg: Any) -> list[str]:
-    """One line per NO_EFFECT key whose value in `cfg` (an InfinityConfig) differs from its default."""
+    """One line per NO_EFFECT key whose value in `cfg` (an InfinityConfig) differs from its default, and per key
+    whose effect the stage rules out."""
     from infinity.config.config import InfinityConfig
 
     default = InfinityConfig()
@@ -69,4 +70,11 @@ def no_effect_notices(cfg: Any) -> list[str]:
         value = _lookup(cfg, key)
         if value != _lookup(default, key):
             lines.append(f"infinity: '{key}' is {value!r}: accepted, but it has no effect in infinity: {reason}")
+    z = cfg.zero_optimization
+    if z.stage == 3 and z.allgather_bucket_size != default.zero_optimization.allgather_bucket_size:
+        lines.append(
+            f"infinity: 'zero_optimization.allgather_bucket_size' is {z.allgather_bucket_size!r}: accepted, but it "
+            "has no effect at stage 3: each block is gathered by itself (stage3_prefetch_bucket_size sets how far "
+            "ahead); at stages 1-2 it caps the all-gathers that share the updated partitions"
+        )
     return lines

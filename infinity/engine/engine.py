@@ -20,10 +20,11 @@ from torch import nn
 from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
-from infinity.engine.grad_reduction import GradReducer, GradScaling, share_updated_partitions
+from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import check_host_budget, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
+from infinity.engine.partition_sharing import PartitionSharing
 from infinity.engine.setup import (
     apply_process_settings,
     check_model,
@@ -122,6 +123,7 @@ class InfinityEngine(EngineStateIO):
             prof=self.prof,
             scaling=GradScaling.from_config(cfg.prescale_gradients, cfg.gradient_predivide_factor, world),
         )
+        self.sharing = PartitionSharing(self.shards, z.allgather_bucket_size, self.prof)
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.wall_clock = WallClock(cfg.wall_clock_breakdown, cfg.steps_per_print, rank, sync)
         self._unused_check = None if z.ignore_unused_parameters else UnusedParameterCheck(model, self.comm, device)
@@ -262,21 +264,22 @@ class InfinityEngine(EngineStateIO):
                 self.global_steps += 1
                 return
             coef = ShardedAdam.clip_coefficient(norm, clip)
-        self.optimizer.step(grad_scale=coef / scale, order=self._forward_order())
+        in_order = self._forward_order()
+        self.optimizer.step(grad_scale=coef / scale, order=[f for flats in in_order for f in flats])
         self.optimizer.zero_grad()
-        share_updated_partitions(self.shards, self.config.zero_optimization.allgather_bucket_size, self.prof)
+        self.sharing.share(in_order)  # stages 1-2: arrives behind the next forward
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
             self._sync_hyperparameters(into_client=not self._client_is_truth)
         self.global_steps += 1
 
-    def _forward_order(self) -> list:
-        """The flats in the order the next forward gathers them: persistent and root first, then the blocks
-        as the last forward ran them (module order for those it did not run)."""
+    def _forward_order(self) -> list[list]:
+        """The blocks' flats in the order the next forward reads them: persistent and root first, then the
+        blocks as the last forward ran them (module order for those it did not run)."""
         seen = dict.fromkeys(self.scheduler.forward_trace.order)
         seen.update(dict.fromkeys(range(len(self.blocks))))
-        return [*self.persistent.flats, *self.root.flats, *(f for i in seen for f in self.blocks[i].flats)]
+        return [self.persistent.flats, self.root.flats, *(self.blocks[i].flats for i in seen)]
 
     @property
     def bytes_moved(self) -> dict[str, int]:
@@ -293,17 +296,25 @@ class InfinityEngine(EngineStateIO):
         """Seconds compute waited for a block's weights to arrive."""
         return self.scheduler.stall_s
 
+    def wait_for_weights(self) -> None:
+        """Stages 1-2: return once the module holds the last step's weights everywhere (they arrive in the
+        background after `step()`; forward, state_dict() and the engine's methods wait by themselves)."""
+        self.sharing.wait_all()
+
     def close(self) -> None:
         """Release the engine's storage (the NVMe swap files are removed); call once training is done."""
         self.optimizer.stepper.drain(raise_errors=False)  # a failed write-behind: its swap file goes anyway
-        self.scheduler.remove_hooks()
-        if self._unused_check is not None:
-            self._unused_check.remove()
-        self.shards.close()
-        self.prof.close()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
+        try:
+            self.sharing.wait_all()  # stages 1-2: the module holds the trained weights after close
+        finally:
+            self.scheduler.remove_hooks()
+            if self._unused_check is not None:
+                self._unused_check.remove()
+            self.shards.close()
+            self.prof.close()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
 
     destroy = close  # DeepSpeed's name
 

@@ -1,5 +1,4 @@
-"""Gradients of one block, from its parameters to this rank's optimizer shards; and, for replicated
-parameters (stages 1-2), the updated partitions back to every rank."""
+"""Gradients of one block, from its parameters to this rank's optimizer shards."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from infinity.comm import CommGroup
 from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition import FlatParam
 from infinity.partition.sharded_block import ShardedBlock
-from infinity.shards import GradReduction, ShardKind, ShardStore
+from infinity.shards import GradReduction
 
 
 @dataclass
@@ -142,39 +141,3 @@ class GradReducer:
         if self.scaling.after != 1.0:
             job.shard.div_(self.scaling.after)
         self.optimizer.accumulate_grad(job.flat, job.shard, job.final)
-
-
-@torch.no_grad()
-def share_updated_partitions(shards: ShardStore, bucket_elems: int, prof) -> None:
-    """Replicated parameters (stages 1-2, several ranks): each rank stepped its own range of every flat;
-    all-gather the ranges so every rank's parameters hold the new weights (in the compute dtype).
-
-    Flats are gathered in buckets of up to `bucket_elems` elements (`allgather_bucket_size`): one
-    collective per bucket, its output scattered into each flat's full buffer."""
-    if not shards.placement.params_resident or shards.comm.world_size == 1:
-        return
-    bucket: list = []
-    for flat in [f for f in shards.flats if f.requires_grad]:
-        if bucket and sum(f.padded_numel for f in bucket) + flat.padded_numel > bucket_elems:
-            _gather_bucket(shards, bucket, prof)
-            bucket = []
-        bucket.append(flat)
-    if bucket:
-        _gather_bucket(shards, bucket, prof)
-
-
-def _gather_bucket(shards: ShardStore, flats: list[FlatParam], prof) -> None:
-    comm, start = shards.comm, time.perf_counter_ns()
-    if len(flats) == 1:  # no bucket: straight into the flat's own buffer
-        shards.sync_resident(flats[0])
-    else:
-        mine = torch.cat([shards.shard_view(f, ShardKind.PARAM) for f in flats])
-        gathered = torch.empty(mine.numel() * comm.world_size, dtype=mine.dtype, device=mine.device)
-        comm.all_gather(gathered, mine, f"updated weights of {len(flats)} flats from {flats[0].name}")
-        per_rank = gathered.view(comm.world_size, mine.numel())
-        offset = 0
-        for flat in flats:  # flat.full is [rank 0's shard | rank 1's | ...]
-            flat.full.view(comm.world_size, flat.shard_numel).copy_(per_rank[:, offset : offset + flat.shard_numel])
-            offset += flat.shard_numel
-    nbytes = sum(f.full.numel() * f.full.element_size() for f in flats)
-    prof.collective("all-gather", flats[0].name, nbytes, start, time.perf_counter_ns())

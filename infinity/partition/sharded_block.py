@@ -37,6 +37,12 @@ class ShardSource(Protocol):
     def read_ahead(self, flats: list[FlatParam]) -> None:
         """Start reading these shards from slower tiers into host memory, in order, as far as it fits."""
 
+    def owes(self, flat: FlatParam) -> bool:
+        """An update of `flat` is still to be applied (a deferred step; replicated weights arriving)."""
+
+    def settle(self, flat: FlatParam) -> None:
+        """Apply the update owed to `flat`, waiting for it if need be (no-op if none is owed)."""
+
 
 class BlockState(enum.Enum):
     SHARDED = "sharded"

@@ -30,7 +30,7 @@ MARGIN = 0.10
 MIN_SAVING_SHARE = 0.03
 DISK_FRACTION = 0.6
 MIN_DISK_BYTES = 8 << 20
-OVERLAP_FEATURE = "the optimizer step overlapped with backward under clipping"
+OVERLAP_FEATURE = "the optimizer step overlapped with the next forward"
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,22 @@ def _optimizer_cause(facts: RunFacts) -> tuple[str, str]:
             "a host optimizer step overlapped with backward (a feature infinity does not have yet)",
         )
     if facts.gradient_clipping > 0:
-        return (
+        cause = (
             f"because gradient_clipping is {facts.gradient_clipping}: the norm of all gradients must be known "
-            "before any shard steps, so the optimizer cannot step during backward",
-            f"{OVERLAP_FEATURE} (a feature infinity does not have yet); or gradient_clipping 0, which changes "
-            "the training",
+            "before any shard steps, so the optimizer cannot step during backward"
+        )
+        zero = facts.config.get("zero_optimization") or {}
+        on_nvme = (zero.get("offload_param") or {}).get("device") == "nvme"
+        if zero.get("stage", 3) == 3 and (on_nvme or facts.world_size > 1):
+            return cause, (
+                f"{OVERLAP_FEATURE}, which infinity now does for this config (each shard steps just before the next "
+                "forward gathers it): the trace is from an older version; or gradient_clipping 0, which changes "
+                "the training"
+            )
+        return cause, (
+            f"{OVERLAP_FEATURE}, which infinity does where parameters are gathered: offload_param.device nvme "
+            "at stage 3 (each shard then steps just before the next forward gathers it, at the cost of reading "
+            "the parameters from NVMe); or gradient_clipping 0, which changes the training"
         )
     if facts.fp16:
         return (

@@ -90,10 +90,11 @@ class BlockScheduler:
         self._position: dict[int, int | None] = {}
         self._running: list[ShardedBlock] = []  # the root and the blocks whose forward is running, outermost first
         self._external = ExternalReads()
-        self._remove_param_access = install_param_access(blocks, self._on_param_read)
+        self._remove_param_access = install_param_access([*blocks, root, persistent], self._on_param_read)
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
             model.register_forward_hook(self._root_post_forward),
+            model.register_state_dict_pre_hook(self._before_state_dict),
         ]
         for block in blocks:
             self._handles.append(block.module.register_forward_pre_hook(self._pre_forward_hook(block)))
@@ -170,6 +171,9 @@ class BlockScheduler:
             self.uses += 1
             self.prefetch_hits += ready
             prof.use(block.name, bool(ready))
+        if block.resident:
+            self._settle_resident(block)
+            return
         if block.unsharded:
             return
         in_flight = block.in_flight
@@ -185,6 +189,26 @@ class BlockScheduler:
         prof.stall(block.name, start, end, waited_on)
         if self.collectives:
             prof.collective("all-gather", block.name, block.gathered_bytes, issued, end)
+
+    def _settle_resident(self, block: ShardedBlock, stall: bool = True) -> None:
+        """Resident weights may still be arriving (stages 1-2 share the updated partitions behind the
+        forward): wait for the block's, as a stall on the all-gather when compute waits for them."""
+        owed = [f for f in block.flats if self.source.owes(f)]
+        if not owed:
+            return
+        start = time.perf_counter_ns()
+        for flat in owed:
+            self.source.settle(flat)
+        if stall:
+            end = time.perf_counter_ns()
+            self.stall_s += (end - start) / 1e9
+            self.prof.stall(block.name, start, end, "all-gather")
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """`model.state_dict()` between steps reads the resident weights: they must have arrived."""
+        for block in (self.persistent, self.root, *self.blocks):
+            if block.resident:
+                self._settle_resident(block, stall=False)
 
     def _open(self, block: ShardedBlock) -> None:
         """A block's compute starts now: the previous one's span (if still open) ends here."""
@@ -313,7 +337,12 @@ class BlockScheduler:
 
     def _on_param_read(self, block: ShardedBlock) -> None:
         """A parameter of `block` was read by name (`param_access`): gather the block if the read comes from
-        outside it. Only forward and backward gather; reads between steps see what is there."""
+        outside it. Only forward and backward gather; reads between steps see what is there (resident
+        weights once they have arrived)."""
+        if block.resident:
+            self._settle_resident(block, stall=self.phase is not Phase.IDLE)
+        if block is self.root or block is self.persistent:  # gathered for the whole pass: nothing to do
+            return
         if self.phase is Phase.IDLE or block in self._running:
             return
         if self.phase is Phase.BACKWARD:  # recomputation inside backward: held until its gradients are complete
