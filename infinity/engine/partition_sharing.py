@@ -50,8 +50,8 @@ class _Bucket:
         for flat in self.flats:
             self._shards.discharge(flat)
         self._work.wait()
-        if len(self.flats) > 1:  # the output is [rank 0's ranges | rank 1's | ...]; each flat.full is
-            per_rank = self._output.view(self.world_size, self._input.numel())  # [rank 0's range | ...]
+        if len(self.flats) > 1:  # output: every rank's ranges of all flats; each flat.full: every rank's range
+            per_rank = self._output.view(self.world_size, self._input.numel())
             offset = 0
             for flat in self.flats:
                 flat.full.view(self.world_size, flat.shard_numel).copy_(per_rank[:, offset : offset + flat.shard_numel])
