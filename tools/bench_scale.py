@@ -12,7 +12,9 @@ What it measures, in one process (world size 1, the CPU as the compute device wh
    --params 3e9 --arch gpt: the 3b preset). Built under `infinity.Init` and materialized block by block by
    `infinity.initialize` with offload_param and offload_optimizer on NVMe,
    `zero_optimization.host_budget_bytes` = `--host-budget-gib`, `gradient_clipping` = `--clip`, bf16
-   with `--dtype bf16`, and `zero_optimization.offload_optimizer.moments` = `--moments` unless fp32
+   with `--dtype bf16`, `zero_optimization.sub_group_size` 5e7 (a 7B layer's optimizer state streams
+   through an 8 GiB budget in pieces; `--zero` overrides it), and
+   `zero_optimization.offload_optimizer.moments` = `--moments` unless fp32
    (an engine that refuses a setting has its error reported in the JSON).
 3. Training: one warm-up step, then `--steps` timed steps on random tokens. Per step: wall time per
    phase, the bytes the process read from and wrote to the disk (/proc/self/io: direct I/O counts,
@@ -149,6 +151,9 @@ def disk_need(arch: str, cfg: Any, compute_bytes: int, moments: str, fio_bytes: 
     }
 
 
+SUB_GROUP_SIZE = 50_000_000  # the optimizer's unit: a 7B layer (202M elements) would not stream through 8 GiB
+
+
 def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
     offload_optimizer: dict[str, Any] = {"device": "nvme", "nvme_path": str(nvme_dir)}
     if args.moments != "fp32":
@@ -160,6 +165,7 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
         "offload_optimizer": offload_optimizer,
         "host_budget_bytes": int(args.host_budget_gib * GiB),
         "device_budget_bytes": None if args.device_budget_gib is None else int(args.device_budget_gib * GiB),
+        "sub_group_size": SUB_GROUP_SIZE,
         **json.loads(args.zero),
     }
     return {
