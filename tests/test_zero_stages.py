@@ -24,7 +24,7 @@ from harness import (
 from toy_models import batches, make_model
 
 import infinity
-from infinity.config import ConfigError
+from infinity.config import ConfigError, load_config, no_effect_notices
 
 STEPS = 4
 MICRO_BS = 2
@@ -196,3 +196,35 @@ def test_a_checkpoint_saved_at_one_stage_loads_at_another(tmp_path, saved, loade
     # the per-rank losses are of each rank's rows: the global loss of a step is their mean
     assert mean_losses(before) + mean_losses(after) == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(after[0]["state"], ref_state)
+
+
+# -- a stage-2 config as DeepSpeed documents it ------------------------------------------------------------
+
+ZERO2_CPU_OFFLOAD = {  # the zero_optimization section of DeepSpeed's ZeRO-2 + CPU offload example
+    "stage": 2,
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "allgather_partitions": True,
+    "allgather_bucket_size": 2e8,
+    "overlap_comm": True,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 2e8,
+    "contiguous_gradients": True,
+}
+
+
+def zero2_notices_and_training(cfg: dict) -> dict:
+    out = train_on_rank("gpt", cfg, STEPS, MICRO_BS)
+    out["notices"] = no_effect_notices(load_config(cfg), cuda=False)
+    return out
+
+
+def test_deepspeeds_documented_stage_2_offload_config_runs_unchanged_and_trains_like_plain_pytorch():
+    """Its keys take effect (the buckets, overlap_comm) or are at the value infinity always behaves as
+    (allgather_partitions, reduce_scatter, contiguous_gradients); the one key without an effect on a machine
+    without a GPU, pin_memory, is named at start."""
+    cfg = config(micro_bs=MICRO_BS, clip=1.0)
+    cfg["zero_optimization"] = dict(ZERO2_CPU_OFFLOAD)
+    results = run_distributed(zero2_notices_and_training, 2, cfg, timeout_s=120)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS)
+    notices = results[0]["notices"]
+    assert len(notices) == 1 and "offload_optimizer.pin_memory" in notices[0] and "no effect" in notices[0]

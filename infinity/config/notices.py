@@ -59,9 +59,10 @@ def _lookup(cfg: Any, dotted: str) -> Any:
     return value
 
 
-def no_effect_notices(cfg: Any) -> list[str]:
+def no_effect_notices(cfg: Any, cuda: bool | None = None) -> list[str]:
     """One line per NO_EFFECT key whose value in `cfg` (an InfinityConfig) differs from its default, and per key
-    whose effect the stage rules out."""
+    whose effect the stage, or the machine (`cuda`: whether the compute device is a GPU; None: not judged),
+    rules out."""
     from infinity.config.config import InfinityConfig
 
     default = InfinityConfig()
@@ -77,4 +78,11 @@ def no_effect_notices(cfg: Any) -> list[str]:
             "has no effect at stage 3: each block is gathered by itself (stage3_prefetch_bucket_size sets how far "
             "ahead); at stages 1-2 it caps the all-gathers that share the updated partitions"
         )
+    if cuda is False:
+        for section in ("offload_param", "offload_optimizer"):
+            if getattr(z, section).pin_memory:
+                lines.append(
+                    f"infinity: 'zero_optimization.{section}.pin_memory' is True: accepted, but it has no effect "
+                    "on this machine: host memory is pinned only for copies to and from a GPU, and there is none"
+                )
     return lines

@@ -75,7 +75,7 @@ class InfinityEngine(EngineStateIO):
         if cfg.seed is not None:
             seed_everything(cfg.seed)  # before a meta model is materialized with its initializers
         if rank == 0:
-            for line in no_effect_notices(cfg):
+            for line in no_effect_notices(cfg, cuda=device.type == "cuda"):
                 print(line, file=sys.stderr)
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
