@@ -208,7 +208,7 @@ void register_adam(py::module_& m) {
     auto sub = m.def_submodule("adam", "SIMD Adam/AdamW over raw buffers (pointers as integers)");
     sub.def("step", &adam_step,
             "One Adam/AdamW step over n elements in place: p fp32; g float32|bfloat16|float16; m, v in "
-            "the moments format (fp32|bf16|8bit, see infinity/optim/moments.py; 8bit also updates the "
+            "the moments format (fp32|bf16|8bit, see infinity/shards/moments.py; 8bit also updates the "
             "per-block scales m_scale, v_scale); copy receives p as bfloat16|float16 unless copy_dtype is 'none'.",
             py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("copy"), py::arg("n"),
             py::arg("grad_dtype"), py::arg("copy_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),

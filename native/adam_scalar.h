@@ -5,7 +5,7 @@
 // which products torch fuses (lerp, addcmul and add-with-alpha are FMAs in its AVX-512 kernels;
 // addcdiv is not), so every path gives the same bits as every other, and as torch's formula
 // evaluated with a correctly rounded sqrt. The moment formats are specified in
-// infinity/optim/moments.py; their codecs here are integer arithmetic on float bits plus IEEE
+// infinity/shards/moments.py; their codecs here are integer arithmetic on float bits plus IEEE
 // multiplies and divides, so they too are bit-identical on every path.
 #pragma once
 
