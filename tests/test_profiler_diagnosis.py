@@ -207,6 +207,7 @@ def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path
         ({"stage": 3, "offload_param": {"device": "none"}}, 2, "the trace is from an older version"),
         ({"stage": 2, "offload_param": {"device": "none"}}, 2, "offload_param.device nvme at stage 3"),
         ({"stage": 3, "offload_param": {"device": "none"}}, 1, "offload_param.device nvme at stage 3"),
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, 1, "offload_param.device nvme at stage 3"),
     ],
 )
 def test_clipping_names_the_overlap_infinity_has_where_parameters_are_gathered(zero, world, says) -> None:
@@ -217,3 +218,11 @@ def test_clipping_names_the_overlap_infinity_has_where_parameters_are_gathered(z
     cause, remedy = _optimizer_cause(facts)
     assert "gradient_clipping is 1.0" in cause and remedy.startswith(OVERLAP_FEATURE) and says in remedy
     assert "gradient_clipping 0" in remedy
+
+
+def test_host_parameters_under_a_gpu_are_gathered_so_the_overlap_is_there_already() -> None:
+    """One rank on a GPU with offload_param cpu: the parameters live apart from the compute and are gathered,
+    so the step is deferred to the next forward (a serial phase means an older trace)."""
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme"}}
+    facts = RunFacts({"gradient_clipping": 1.0, "zero_optimization": zero}, 1, None, True, True)
+    assert "the trace is from an older version" in _optimizer_cause(facts)[1]

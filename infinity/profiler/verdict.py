@@ -125,8 +125,10 @@ def _optimizer_cause(facts: RunFacts) -> tuple[str, str]:
             "before any shard steps, so the optimizer cannot step during backward"
         )
         zero = facts.config.get("zero_optimization") or {}
-        on_nvme = (zero.get("offload_param") or {}).get("device") == "nvme"
-        if zero.get("stage", 3) == 3 and (on_nvme or facts.world_size > 1):
+        param_device = (zero.get("offload_param") or {}).get("device", "none")
+        # parameters are gathered (not resident) at stage 3 unless one rank computes where they live
+        apart = param_device == "nvme" or (param_device == "cpu" and facts.cuda)
+        if zero.get("stage", 3) == 3 and (apart or facts.world_size > 1):
             return cause, (
                 f"{OVERLAP_FEATURE}, which infinity now does for this config (each shard steps just before the next "
                 "forward gathers it): the trace is from an older version; or gradient_clipping 0, which changes "
