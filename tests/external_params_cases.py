@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from harness import config, rank_and_world
+from harness import config, rank_and_world, train_steps
 from torch import nn
 from toy_models import batches, make_model
 
@@ -96,13 +96,7 @@ def train_external(kind: str, config: dict, steps: int, micro_bs: int) -> dict[s
         wte = next(b for b in engine.blocks if b.name == "wte")
         model.ln_f.register_forward_pre_hook(lambda *_: prefetched.append(wte.state is not BlockState.SHARDED))
     data = external_batches(kind, micro_bs, rank, world)
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, data, steps)
     names = [b.name for b in engine.blocks]
     result = {
         "losses": losses,

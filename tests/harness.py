@@ -228,6 +228,18 @@ def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def train_steps(engine, data, steps: int) -> list[float]:
+    """`steps` optimizer steps of one micro-batch each from `data` (an iterator of (x, y)); their losses."""
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_on_rank(
     kind: str,
     config: dict,

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from dist import run_distributed
-from harness import config
+from harness import config, train_steps
 from toy_models import batches, make_model
 
 import infinity
@@ -37,28 +37,17 @@ def _mlp_config() -> dict:
     return config("mlp_h40", micro_bs=2, persistence=64)
 
 
-def _train(engine, data, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def train_save_resume(ckpt_dir: str, offload: str, n: int, m: int) -> dict:
     """N steps, save, then a fresh engine loads and trains M more; and N+M uninterrupted for comparison."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     straight, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config(offload))
-    _train(straight, batches("gpt", 2, rank=rank, world_size=world), n + m)
+    train_steps(straight, batches("gpt", 2, rank=rank, world_size=world), n + m)
 
     first, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config(offload))
     data = batches("gpt", 2, rank=rank, world_size=world)
-    _train(first, data, n)
+    train_steps(first, data, n)
     first.save_checkpoint(ckpt_dir, client_state={"data_step": n})
 
     resumed, _, _, _ = infinity.initialize(model=make_model("gpt", seed=99), config=_config(offload))
@@ -66,7 +55,7 @@ def train_save_resume(ckpt_dir: str, offload: str, n: int, m: int) -> dict:
     data = batches("gpt", 2, rank=rank, world_size=world)
     for _ in range(client["data_step"]):
         next(data)
-    _train(resumed, data, m)
+    train_steps(resumed, data, m)
     return {
         "straight": straight.full_state_dict(),
         "resumed": resumed.full_state_dict(),
@@ -88,7 +77,7 @@ def test_resume_is_bit_exact(tmp_path, world, offload):
 
 def _saved_engine(tmp_path):
     engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
-    _train(engine, batches("mlp_h40", 2), 2)
+    train_steps(engine, batches("mlp_h40", 2), 2)
     folder = engine.save_checkpoint(str(tmp_path))
     return engine, folder
 
@@ -152,7 +141,7 @@ def test_deepspeed_load_options_restore_only_what_they_name(tmp_path):
 
 def test_save_without_latest_leaves_the_pointer(tmp_path):
     engine, _ = _saved_engine(tmp_path)
-    _train(engine, batches("mlp_h40", 2), 1)
+    train_steps(engine, batches("mlp_h40", 2), 1)
     engine.save_checkpoint(str(tmp_path), tag="extra", save_latest=False)
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert (tmp_path / "extra").is_dir()
@@ -163,9 +152,9 @@ def test_save_without_latest_leaves_the_pointer(tmp_path):
 
 def test_newest_verified_checkpoint_goes_by_step_skips_damaged_ones_and_never_takes_staging(tmp_path):
     engine, _ = _saved_engine(tmp_path)  # global_step2
-    _train(engine, batches("mlp", 2), 2)
+    train_steps(engine, batches("mlp", 2), 2)
     engine.save_checkpoint(str(tmp_path), tag="best", save_latest=False)  # step 4, a name that sorts first
-    _train(engine, batches("mlp", 2), 2)
+    train_steps(engine, batches("mlp", 2), 2)
     engine.save_checkpoint(str(tmp_path))  # global_step6
     shutil.copytree(tmp_path / "global_step6", tmp_path / ".global_step8.tmp")  # an unpublished save
     assert list_checkpoints(tmp_path) == ["best", "global_step2", "global_step6"]
@@ -220,7 +209,7 @@ def test_a_full_disk_fails_the_save_naming_the_file_removes_its_staging_at_once_
     room = int(1.5 * size) // 4096 * 4096  # one checkpoint, not two
     with mounted(tmp_path / "small_disk", "-t", "tmpfs", "-o", f"size={room}", "none") as disk:
         probe.save_checkpoint(str(disk), tag="first")
-        _train(probe, batches("mlp", 2), 1)
+        train_steps(probe, batches("mlp", 2), 1)
         with pytest.raises(OSError, match=r"cannot write checkpoint file '.*\.second\.tmp/.*': No space left") as info:
             probe.save_checkpoint(str(disk), tag="second")
         assert info.value.errno == errno.ENOSPC and "free there" in str(info.value)

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 from dist import run_distributed
-from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank
+from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank, train_steps
 from toy_models import batches, make_model
 
 import infinity
@@ -59,17 +59,6 @@ def test_deferred_clipped_steps_match_plain_pytorch(tmp_path, world, offload_par
         assert (r["stepped_when_needed"] > 0) == deferred and r["stepped_in_backward"] == 0
 
 
-def _train(engine, data, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_reading_weights_or_saving_right_after_a_step_settles_what_is_owed(tmp_path):
     """Right after step() the shards are owed their step: full_state_dict, a checkpoint and GatheredParameters
     see the stepped weights, and a run resumed from that checkpoint continues exactly."""
@@ -77,14 +66,14 @@ def test_reading_weights_or_saving_right_after_a_step_settles_what_is_owed(tmp_p
     ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     data = batches("gpt", MICRO_BS)
-    losses = _train(engine, data, 2)
+    losses = train_steps(engine, data, 2)
     shards = len(engine.shards.records)
     assert engine.optimizer.stepped_when_needed == shards  # the first step, in the second forward; the second owed
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     assert engine.optimizer.stepped_when_needed == 2 * shards  # the save read the shards: it settled them first
     _, mid_state, _ = reference_for("gpt", 2, MICRO_BS)
     assert_weights_close(engine.full_state_dict(), mid_state)
-    losses += _train(engine, data, 2)
+    losses += train_steps(engine, data, 2)
     engine.close()
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
@@ -93,7 +82,7 @@ def test_reading_weights_or_saving_right_after_a_step_settles_what_is_owed(tmp_p
     data = batches("gpt", MICRO_BS)
     for _ in range(2):
         next(data)
-    assert _train(resumed, data, 2) == pytest.approx(ref_losses[2:], rel=1e-5)
+    assert train_steps(resumed, data, 2) == pytest.approx(ref_losses[2:], rel=1e-5)
     assert_weights_close(resumed.full_state_dict(), ref_state)
     resumed.close()
 
@@ -107,7 +96,7 @@ def test_a_deferred_step_uses_the_learning_rate_of_its_own_step(tmp_path):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
 
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg, lr_scheduler=halve)
-    losses = _train(engine, batches("gpt", MICRO_BS), STEPS)
+    losses = train_steps(engine, batches("gpt", MICRO_BS), STEPS)
     state = engine.full_state_dict()
     engine.close()
 

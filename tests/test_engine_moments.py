@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import config
+from harness import config, train_steps
 from toy_models import batches, make_model
 
 import infinity
@@ -29,20 +29,9 @@ def _config(offload: str, moments: str, nvme_path: str) -> dict:
     return cfg
 
 
-def _train(engine, data, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _run(offload: str, moments: str, nvme_path: str, steps: int = STEPS) -> tuple[list[float], dict, int]:
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config(offload, moments, nvme_path))
-    losses = _train(engine, batches("gpt", MICRO_BS), steps)
+    losses = train_steps(engine, batches("gpt", MICRO_BS), steps)
     nvme_bytes = engine.tiers.high_water_bytes(Tier.NVME)
     state = engine.full_state_dict()
     engine.close()
@@ -83,12 +72,12 @@ def test_resume_is_bit_exact_in_each_moment_format(tmp_path, moments):
     straight, straight_state, _ = _run("nvme", moments, nvme, steps=6)
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config("nvme", moments, nvme))
     data = batches("gpt", MICRO_BS)
-    first = _train(engine, data, 3)
+    first = train_steps(engine, data, 3)
     engine.save_checkpoint(ckpt)
     engine.close()
     engine, _, _, _ = infinity.initialize(model=make_model("gpt", seed=3), config=_config("nvme", moments, nvme))
     engine.load_checkpoint(ckpt)
-    rest = _train(engine, data, 3)
+    rest = train_steps(engine, data, 3)
     assert first + rest == straight
     assert all(torch.equal(engine.full_state_dict()[k], v) for k, v in straight_state.items())
     engine.close()
@@ -100,7 +89,7 @@ def test_a_checkpoint_moves_between_moment_formats(tmp_path):
     nvme, ckpt = str(tmp_path), str(tmp_path / "ckpt")
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config("cpu", "8bit", nvme))
     data = batches("gpt", MICRO_BS)
-    _train(engine, data, 3)
+    train_steps(engine, data, 3)
     engine.save_checkpoint(ckpt)
     saved = engine.full_state_dict()
     decoded = {}
@@ -115,6 +104,6 @@ def test_a_checkpoint_moves_between_moment_formats(tmp_path):
     assert all(torch.equal(other.full_state_dict()[k], v) for k, v in saved.items())
     for flat in other.shards.records:
         assert torch.equal(other.shards.read_moments(flat)["exp_avg"], decoded[flat.name])
-    losses = _train(other, data, 3)
+    losses = train_steps(other, data, 3)
     assert all(loss == loss and loss < 10 for loss in losses)  # finite, trains on
     other.close()

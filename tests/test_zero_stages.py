@@ -20,6 +20,7 @@ from harness import (
     mean_losses,
     reference_for,
     train_on_rank,
+    train_steps,
 )
 from toy_models import batches, make_model
 
@@ -63,11 +64,7 @@ def resident_probe(stage: int) -> dict:
     cfg = _stage_config(stage, "cpu", "fp32", 1, "/unused")
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     data = batches("gpt", MICRO_BS, rank=engine.comm.rank, world_size=2)
-    for _ in range(2):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+    train_steps(engine, data, 2)
     out = {
         "resident": [b.resident for b in (*engine.blocks, engine.root)],
         "prefetches": engine.scheduler.prefetches_issued,
@@ -89,11 +86,7 @@ def read_between_steps(stage: int, how: str) -> dict:
     cfg = _stage_config(stage, "cpu", "fp32", 1, "/unused")
     engine, _, _, _ = infinity.initialize(model=model, config=cfg)
     data = batches("gpt", MICRO_BS, rank=engine.comm.rank, world_size=2)
-    for _ in range(STEPS):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+    train_steps(engine, data, STEPS)
     if how == "state_dict":
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     elif how == "parameters":  # iterating parameters() reports no read: the caller waits first
@@ -146,13 +139,7 @@ def train_and_save(save_dir: str, stage: int, steps: int) -> dict:
     cfg["train_micro_batch_size_per_gpu"] = 4 // world
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     data = batches("gpt", 4 // world, rank=rank, world_size=world)
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, data, steps)
     engine.save_checkpoint(save_dir, client_state={"step": steps})
     full = engine.full_state_dict()
     engine.close()
@@ -172,13 +159,7 @@ def load_and_train(save_dir: str, stage: int, steps: int) -> dict:
     data = batches("gpt", 4 // world, rank=rank, world_size=world)
     for _ in range(client["step"]):
         next(data)
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, data, steps)
     out = {"loaded": loaded, "losses": losses, "state": engine.full_state_dict(), "steps": engine.global_steps}
     engine.close()
     return out
