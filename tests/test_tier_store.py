@@ -153,6 +153,26 @@ def test_prefetch_loads_in_order_and_stops_at_the_budget(disk_dir: Path) -> None
         assert store.high_water_bytes("device") <= 2 * nbytes
 
 
+def test_a_copy_released_to_keep_outlives_a_prefetch_and_yields_only_to_a_demand(disk_dir: Path) -> None:
+    """A backward gather's host copy kept for the step: read-ahead of later keys must not evict it."""
+    nbytes = 256 * 1024
+    with _store(disk_dir, host_bytes=3 * nbytes) as store:
+        keys = [f"block{i}" for i in range(5)]
+        for key in keys:
+            store.put(key, _shard(nbytes // 4, torch.float32), "nvme").wait()
+        store.fetch("block0", "host").wait()
+        store.release("block0", "host", keep=True)  # released first: the least recently used
+        store.fetch("block1", "host").wait()
+        store.release("block1", "host")
+        assert store.prefetch(["block2", "block3"], "host") == ["block2", "block3"]
+        assert "host" in store.tiers_holding("block0")  # block1, a plain cached copy, made the room
+        assert "host" not in store.tiers_holding("block1")
+        assert store.prefetch(["block4"], "host") == []  # a prefetch never evicts another
+        store.fetch("block4", "host").wait()  # a demand does: the oldest of them, the kept copy
+        assert "host" not in store.tiers_holding("block0")
+        assert store.high_water_bytes("host") <= 3 * nbytes
+
+
 def test_prefetched_copies_are_hits_for_the_fetch_that_follows(disk_dir: Path) -> None:
     recorder = ListRecorder()
     with _store(disk_dir, recorder) as store:

@@ -70,9 +70,12 @@ def plan_memory(
     # where gathers read host copies, the prefetch bucket's shards are held from their fetch to their gather
     held = math.ceil(min(z.stage3_prefetch_bucket_size, total) / world) if placement.compute_in_host_memory else 0
     param_min = ShardStore.gather_host_bytes(largest, held, itemsize) if param_on_nvme else 0
+    window = z.offload_optimizer.buffer_count
+    kept = 0  # backward gathers' copies the step reads a few blocks later (`ShardStore.release_param`)
+    if param_on_nvme and placement.master_is_param and placement.step_in_backward and placement.compute_in_host_memory:
+        kept = ShardStore.kept_param_bytes(largest, optim_largest, window // 2)
     grad_rmw = ShardStore.grad_accumulation_bytes(optim_largest) if optim_on_nvme else 0
     shard_state = NativeStepper.shard_state_bytes(optim_largest, placement.moments)
-    window = z.offload_optimizer.buffer_count
     host = z.host_budget_bytes
     bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
     read_ahead = None
@@ -90,11 +93,11 @@ def plan_memory(
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
             working += always_gathered * itemsize
-        room = host - working - param_min - grad_rmw
+        room = host - working - param_min - kept - grad_rmw
         if optim_on_nvme:
             window = min(window, room // shard_state)
         if room < 0 or window < 1:
-            need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
+            need = working + param_min + kept + grad_rmw + (shard_state if optim_on_nvme else 0)
             raise ConfigError(
                 f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
                 f"elements) needs at least {need} bytes of host memory to stream through: raise the budget, or "
@@ -102,7 +105,7 @@ def plan_memory(
             )
         host -= working
         if param_on_nvme:
-            read_ahead = host - grad_rmw - (window * shard_state if optim_on_nvme else 0)
+            read_ahead = host - grad_rmw - kept - (window * shard_state if optim_on_nvme else 0)
     return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
 
 

@@ -75,6 +75,12 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         return (held_elems + 2 * shard_elems) * itemsize
 
     @staticmethod
+    def kept_param_bytes(block_shard_elems: int, flat_shard_elems: int, arrivals: int) -> int:
+        """Host memory for backward gathers' copies kept for a step during backward (`release_param`): the
+        block in backward, and the `arrivals` flats the optimizer has not stepped yet (fp32: one slot)."""
+        return (block_shard_elems + max(1, arrivals) * flat_shard_elems) * 4
+
+    @staticmethod
     def grad_staging_bytes(shard_elems: int, itemsize: int) -> int:
         """Pinned host memory for gradients crossing from the device: one in flight, one being summed."""
         return (GRADS_IN_FLIGHT + 1) * shard_elems * itemsize
@@ -277,8 +283,11 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         NVMe shard stays cached, within the host budget, for the step that reads it a few blocks later."""
         key = self.key(flat, ShardKind.PARAM)
         p = self.placement
-        self.tiers.release(key, p.gather_from)
         kept = keep and p.master_is_param and p.param_home is Tier.NVME and p.gather_from is Tier.HOST
+        # A step a few blocks later reads it: kept from eviction by the read-ahead of the next blocks'
+        # parameters. A step before the next forward's gather reads the last few kept only; those stay
+        # as plain cached copies, which the read-ahead may take.
+        self.tiers.release(key, p.gather_from, keep=kept and p.step_in_backward)
         if p.param_home is not Tier.DEVICE and not kept:
             self.tiers.evict(key)
 

@@ -168,8 +168,9 @@ class TierStore(TierMover):
         with self._lock:  # a later write sees this reference and refuses; an earlier one is waited for
             return FetchHandle(shard, copy, shard.write_op if copy.home else None)
 
-    def release(self, key: Hashable, tier: Tier | str) -> None:
-        """The caller is done with one fetched copy: it stays cached until memory is needed."""
+    def release(self, key: Hashable, tier: Tier | str, keep: bool = False) -> None:
+        """The caller is done with one fetched copy: it stays cached until memory is needed. With `keep`
+        (someone reads it again soon) it is kept from eviction as a prefetched copy is."""
         tier = Tier(tier)
         with self._lock:
             shard = self._shards.get(key)
@@ -178,6 +179,7 @@ class TierStore(TierMover):
                 return  # its fetch failed (no reference was held) or the key was dropped
             if copy.refs <= 0:
                 raise RuntimeError(f"release of {key!r} on {tier.value} without a fetch to match it")
+            copy.prefetched = copy.prefetched or keep
             self._unref(shard, copy)
 
     def write(self, key: Hashable, tensor: torch.Tensor) -> MoveHandle:
