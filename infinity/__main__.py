@@ -2,6 +2,6 @@
 
 import sys
 
-from infinity.cli import main
+from infinity.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

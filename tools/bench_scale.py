@@ -42,7 +42,9 @@ run), plus a margin, and refuses when it does not fit. The swap files live in
 left by killed runs (dead pid) are removed at start.
 
 The process re-executes itself with MALLOC_MMAP_THRESHOLD_=1048576 (glibc otherwise keeps freed
-block-sized buffers in its heap and the RSS grows); `--malloc default` measures without it.
+block-sized buffers in its heap and the RSS grows); `--malloc default` measures without it. It also
+sets GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel gives transparent huge pages on request, as
+the infinity command does (see infinity.engine.host_memory); `--huge-pages off` measures without it.
 `--gc-interval-s S` runs gc.collect() every S seconds from a side thread, its cost reported.
 
     python tools/bench_scale.py --params 3e9 --host-budget-gib 8 [--arch llama|gpt] [--dtype fp32|bf16]
@@ -106,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-fio", action="store_true", help="skip fio (no io bound, no ratio)")
     parser.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
                         help=f"tuned: re-exec with {MALLOC_ENV}={MALLOC_TUNED}; default: glibc's own")  # fmt: skip
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="on: glibc's malloc asks for transparent huge pages, as the infinity command "
+                        "starts (GLIBC_TUNABLES=glibc.malloc.hugetlb=1); off: it does not")  # fmt: skip
     parser.add_argument("--gc-interval-s", type=float, default=0.0,
                         help="run gc.collect() every this many seconds from a side thread (0: off)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="stderr: progress only; stdout: the JSON line")
@@ -114,15 +119,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def reexec_for_malloc(args: argparse.Namespace) -> None:
-    """Restart this interpreter with the malloc setting asked for, unless it is already in effect."""
+    """Restart this interpreter with the malloc settings asked for, unless they are in effect already."""
+    from infinity.engine.host_memory import huge_pages_environment, without_huge_pages
+
     want = MALLOC_TUNED if args.malloc == "tuned" else None
-    if os.environ.get(MALLOC_ENV) == want or (args.malloc == "tuned" and os.environ.get(MALLOC_ENV)):
-        return  # a value the user set themselves is respected
     env = dict(os.environ)
-    if want is None:
-        env.pop(MALLOC_ENV, None)
-    else:
-        env[MALLOC_ENV] = want
+    if not (os.environ.get(MALLOC_ENV) == want or (args.malloc == "tuned" and os.environ.get(MALLOC_ENV))):
+        if want is None:  # else a value the user set themselves is respected
+            env.pop(MALLOC_ENV, None)
+        else:
+            env[MALLOC_ENV] = want
+    # as the infinity command starts (infinity.engine.host_memory); the reference child inherits it
+    env = (huge_pages_environment(env) or env) if args.huge_pages == "on" else without_huge_pages(env)
+    if env == dict(os.environ):
+        return
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
@@ -415,6 +425,7 @@ def summarize(args: argparse.Namespace, cfg: Any, how: str, out: dict[str, Any],
         "host_budget_bytes": int(args.host_budget_gib * GiB),
         "device_budget_bytes": None if args.device_budget_gib is None else int(args.device_budget_gib * GiB),
         "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in out["steps"]],
         "disk_io_during_init": out["disk_io_during_init"],
         "disk_need": need,

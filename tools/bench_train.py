@@ -30,6 +30,10 @@ Per configuration (the JSON's "configs"):
   engine_s                           with --engine-timers only: rank 0's time inside engine internals
                                      (benchlib.trainers.instrument_engine_internals)
 
+Every process starts with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel gives transparent huge
+pages on request (as the infinity command starts; see infinity.engine.host_memory), peers included;
+`--huge-pages off` runs every configuration without it.
+
 Compare configurations within one run only: this machine's memory bandwidth drifts over time.
 
     python tools/bench_train.py [--model-size 110m] [--nproc 2] [--dtype fp32|bf16] [--clip 0|1.0]
@@ -53,6 +57,8 @@ from benchlib.launch import kill_running, merge_rounds, run_configuration
 from benchlib.scratch import install_signal_handlers, remove_stale_dirs, scratch_dir
 from benchlib.trainers import CONFIGS, resolve_names
 
+from infinity.engine.host_memory import huge_pages_environment, without_huge_pages
+
 SEED = 1234
 SCRATCH_PREFIX = ".bench-train-"
 PEER_FRAMEWORKS = ("fsdp2", "deepspeed")
@@ -73,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nvme-path", default=".", help="folder whose disk holds the NVMe configurations' swap files")
     parser.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, interleaved")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="on: every configuration's processes start with glibc's malloc asking for transparent "
+                        "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as the infinity command starts); off: "
+                        "none does")  # fmt: skip
     parser.add_argument("--engine-timers", action="store_true", help="also time infinity's internals (see engine_s)")
     parser.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     args = parser.parse_args(argv)
@@ -147,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deepspeed is not importable: skipping {name}", file=sys.stderr)
             names.remove(name)
     install_signal_handlers(on_signal=kill_running)
+    # the same environment for every configuration, peers included: it is the process's, not infinity's
+    env = dict(os.environ)
+    env = (huge_pages_environment(env) or env) if args.huge_pages == "on" else without_huge_pages(env)
+    os.environ.clear()
+    os.environ.update(env)
     base = Path(args.nvme_path).resolve()
     remove_stale_dirs(base, SCRATCH_PREFIX)
     spec = base_spec(args)
@@ -175,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),  # other processes on the machine skew every figure

@@ -99,6 +99,18 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def console_main() -> int:
+    """The `infinity` command as a process: `main`, after re-executing itself once so that glibc's malloc asks
+    for transparent huge pages when the command trains (see `infinity.engine.host_memory`)."""
+    from infinity.cli.faults import debug_requested
+    from infinity.engine.host_memory import reexec_with_huge_pages
+
+    _, argv = debug_requested(sys.argv[1:])
+    if not argv or argv[0] not in COMMANDS or argv[0] in ("train", "tune"):
+        reexec_with_huge_pages()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command `argv` names; its exit code (see `infinity --help`)."""
     from infinity.cli.faults import debug_requested, guarded

@@ -21,6 +21,7 @@ from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling
+from infinity.engine.host_memory import huge_pages_notice
 from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import check_host_budget, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
@@ -75,7 +76,10 @@ class InfinityEngine(EngineStateIO):
         if cfg.seed is not None:
             seed_everything(cfg.seed)  # before a meta model is materialized with its initializers
         if rank == 0:
-            for line in no_effect_notices(cfg, cuda=device.type == "cuda"):
+            notices = no_effect_notices(cfg, cuda=device.type == "cuda")
+            if device.type == "cpu":  # the compute allocates in host memory: fresh pages at every step
+                notices += filter(None, [huge_pages_notice()])
+            for line in notices:
                 print(line, file=sys.stderr)
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
