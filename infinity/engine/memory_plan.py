@@ -93,11 +93,11 @@ def plan_memory(
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
             working += always_gathered * itemsize
-        room = host - working - param_min - kept - grad_rmw
+        room = host - working - param_min - grad_rmw
         if optim_on_nvme:
             window = min(window, room // shard_state)
         if room < 0 or window < 1:
-            need = working + param_min + kept + grad_rmw + (shard_state if optim_on_nvme else 0)
+            need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
             raise ConfigError(
                 f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
                 f"elements) needs at least {need} bytes of host memory to stream through: raise the budget, or "
@@ -105,7 +105,8 @@ def plan_memory(
             )
         host -= working
         if param_on_nvme:
-            read_ahead = host - grad_rmw - kept - (window * shard_state if optim_on_nvme else 0)
+            # the kept copies save reads only where they fit: they come out of the read-ahead, not the minimum
+            read_ahead = max(0, host - grad_rmw - kept - (window * shard_state if optim_on_nvme else 0))
     return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
 
 
@@ -137,7 +138,7 @@ def home_bytes(
                 total[home] += round_up(4 * shard)
             total[home] += round_up(moments.state_bytes(shard))
             if home is not Tier.NVME or nvme_grads:
-                total[home] += round_up(4 * shard)
+                total[home] += round_up(p.grad_dtype.itemsize * shard)
     return total
 
 
