@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import platform
 import subprocess
@@ -9,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from infinity.cli.train import DEFAULT_CONFIG
 from infinity.engine.host_memory import (
     huge_pages_environment,
     huge_pages_notice,
@@ -94,3 +98,47 @@ def test_an_engine_process_started_without_the_tunable_is_told_how_to_ask(monkey
     assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in huge_pages_notice()
     monkeypatch.setenv("GLIBC_TUNABLES", ASK)
     assert huge_pages_notice() is None
+
+
+NOTICE = "page-faulted 4 KiB at a time"
+
+
+def _budgeted_config(tmp_path: Path) -> Path:
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    cfg["zero_optimization"]["host_budget_bytes"] = 1 << 30  # malloc returns freed memory to the OS
+    path = tmp_path / "budgeted.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@glibc
+@pytest.mark.skipif(transparent_huge_pages() != "madvise", reason="the kernel gives huge pages on request only")
+def test_the_command_restarts_with_huge_pages_for_a_budgeted_run_and_an_engine_without_them_says_so(tmp_path):
+    env = without_huge_pages({**os.environ, "OMP_NUM_THREADS": "2"})
+    env.pop("INFINITY_KEEP_MALLOC", None)
+    args = ["train", "--model", "tiny", "--steps", "2", "--config", str(_budgeted_config(tmp_path)),
+            "--nvme-path", str(tmp_path / "nvme"), "--save-dir", str(tmp_path / "runs")]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "infinity", *args], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert NOTICE not in done.stderr, done.stderr  # restarted with the tunable: nothing to advise
+    # the same run in a process that may not restart itself (an in-process caller): the engine advises
+    code = _in_process(args, env)
+    assert code.returncode == 0, code.stdout + code.stderr
+    assert NOTICE in code.stderr and "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in code.stderr
+
+
+def _in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    script = f"import sys; from infinity.cli import main; sys.exit(main({args!r}))"
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_only_a_run_whose_malloc_returns_memory_to_the_os_is_restarted(tmp_path) -> None:
+    from infinity.cli import _parser
+    from infinity.cli.train import _returns_memory_to_os, build_config
+
+    plain = _parser().parse_args(["train", "--nvme-path", str(tmp_path)])
+    assert not _returns_memory_to_os(build_config(plain, 64))  # the default job sets no host budget
+    config = str(_budgeted_config(tmp_path))
+    budgeted = _parser().parse_args(["train", "--config", config, "--nvme-path", str(tmp_path)])
+    assert _returns_memory_to_os(build_config(budgeted, 64)) == (not torch.cuda.is_available())

@@ -44,7 +44,8 @@ left by killed runs (dead pid) are removed at start.
 The process re-executes itself with MALLOC_MMAP_THRESHOLD_=1048576 (glibc otherwise keeps freed
 block-sized buffers in its heap and the RSS grows); `--malloc default` measures without it. It also
 sets GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel gives transparent huge pages on request, as
-the infinity command does (see infinity.engine.host_memory); `--huge-pages off` measures without it.
+the infinity command does for a run with a host budget (see infinity.engine.host_memory);
+`--huge-pages off` measures without it.
 `--gc-interval-s S` runs gc.collect() every S seconds from a side thread, its cost reported.
 
     python tools/bench_scale.py --params 3e9 --host-budget-gib 8 [--arch llama|gpt] [--dtype fp32|bf16]

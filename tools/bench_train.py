@@ -30,9 +30,9 @@ Per configuration (the JSON's "configs"):
   engine_s                           with --engine-timers only: rank 0's time inside engine internals
                                      (benchlib.trainers.instrument_engine_internals)
 
-Every process starts with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel gives transparent huge
-pages on request (as the infinity command starts; see infinity.engine.host_memory), peers included;
-`--huge-pages off` runs every configuration without it.
+`--huge-pages on` starts every process, peers included, with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+(see infinity.engine.host_memory); by default none has it, as the infinity command starts a run that
+sets no host budget.
 
 Compare configurations within one run only: this machine's memory bandwidth drifts over time.
 
@@ -79,10 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nvme-path", default=".", help="folder whose disk holds the NVMe configurations' swap files")
     parser.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, interleaved")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
-    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="off",
                         help="on: every configuration's processes start with glibc's malloc asking for transparent "
-                        "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as the infinity command starts); off: "
-                        "none does")  # fmt: skip
+                        "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1); off (the default, as the infinity "
+                        "command starts runs without a host budget): none does")  # fmt: skip
     parser.add_argument("--engine-timers", action="store_true", help="also time infinity's internals (see engine_s)")
     parser.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     args = parser.parse_args(argv)

@@ -100,18 +100,13 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def console_main() -> int:
-    """The `infinity` command as a process: `main`, after re-executing itself once so that glibc's malloc asks
-    for transparent huge pages when the command trains (see `infinity.engine.host_memory`)."""
-    from infinity.cli.faults import debug_requested
-    from infinity.engine.host_memory import reexec_with_huge_pages
-
-    _, argv = debug_requested(sys.argv[1:])
-    if not argv or argv[0] not in COMMANDS or argv[0] in ("train", "tune"):
-        reexec_with_huge_pages()
-    return main()
+    """The `infinity` command as a process: `main`, free to restart itself once where its training run would
+    have malloc return memory to the OS, so that glibc asks for transparent huge pages (see
+    `infinity.engine.host_memory`)."""
+    return main(may_restart=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, may_restart: bool = False) -> int:
     """Run the command `argv` names; its exit code (see `infinity --help`)."""
     from infinity.cli.faults import debug_requested, guarded
 
@@ -119,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv.insert(0, "train")  # `infinity`, `infinity --steps 10`: the train command
     args = _parser().parse_args(argv)
+    args.may_restart = may_restart  # an in-process caller (a test, a notebook) is never replaced
     return guarded(args.command, lambda: _run(args), debug)
 
 

@@ -47,7 +47,7 @@ from infinity.profiler.wall_clock import WallClock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
 from infinity.scheduler.unused_params import UnusedParameterCheck
-from infinity.shards import ShardStore, resolve_placement
+from infinity.shards import MallocTuning, ShardStore, resolve_placement
 from infinity.storage import MoveCounter, Tier
 
 
@@ -76,13 +76,13 @@ class InfinityEngine(EngineStateIO):
         if cfg.seed is not None:
             seed_everything(cfg.seed)  # before a meta model is materialized with its initializers
         if rank == 0:
-            notices = no_effect_notices(cfg, cuda=device.type == "cuda")
-            if device.type == "cpu":  # the compute allocates in host memory: fresh pages at every step
-                notices += filter(None, [huge_pages_notice()])
-            for line in notices:
+            for line in no_effect_notices(cfg, cuda=device.type == "cuda"):
                 print(line, file=sys.stderr)
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)
+        notice = huge_pages_notice() if self.placement.malloc is MallocTuning.RETURN_TO_OS else None
+        if rank == 0 and notice is not None:  # every buffer a fresh mapping: see host_memory
+            print(notice, file=sys.stderr)
         apply_process_settings(self.placement)
         self.module = model
         self.global_steps = 0
