@@ -30,7 +30,7 @@ def _nvme_bytes(engine, kind: ShardKind) -> int:
     return total
 
 
-@pytest.mark.parametrize("host_budget_mib", [4, 5, 8])
+@pytest.mark.parametrize("host_budget_mib", [4, 5, 8, None])  # None: the budget the offload settings imply
 def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_step(tmp_path, host_budget_mib):
     torch.manual_seed(0)
     model = GPT(gpt_preset("small", block_size=SEQ, bias=False, n_layer=16, n_embd=64))
@@ -42,7 +42,7 @@ def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_
         clip=0.0,
         nvme_path=str(tmp_path),
         extra_zero={
-            "host_budget_bytes": host_budget_mib << 20,
+            "host_budget_bytes": None if host_budget_mib is None else host_budget_mib << 20,
             "stage3_prefetch_bucket_size": BUCKET,
             "stage3_max_live_parameters": 2 * BUCKET,
             "sub_group_size": 15_000,

@@ -80,7 +80,7 @@ def plan_memory(
     bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
     read_ahead = None
     if host is None and bounded:
-        host = grad_rmw
+        host = grad_rmw + kept
         if param_on_nvme:
             elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
             read_ahead = max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
