@@ -40,7 +40,7 @@ from toy_models import batches, make_model
 
 import infinity
 from infinity.config import InfinityConfig, load_config, resolve_auto, resolve_batch_sizes
-from infinity.shards import Placement, resolve_placement
+from infinity.shards import Placement, ShardKind, resolve_placement
 
 LR = 1e-2
 WEIGHT_DECAY = 0.1
@@ -302,9 +302,23 @@ def train_on_rank(
         "forward_invalidations": engine.scheduler.forward_trace.invalidations,
         "bytes_moved": engine.bytes_moved,
         "trainable_shard_elems": sum(f.shard_numel for f in engine.flats if f.requires_grad),
+        "grad_slot_bytes_per_elem": _nvme_grad_bytes_per_elem(engine),
     }
     engine.close()
     return result
+
+
+def _nvme_grad_bytes_per_elem(engine) -> int | None:
+    """Bytes per element of the gradient slots on NVMe (None: no gradient waits there)."""
+    store = engine.shards
+    sizes = {
+        store.read(f, ShardKind.GRAD).element_size()
+        for f in engine.flats
+        if f.requires_grad and store.key(f, ShardKind.GRAD) in store.tiers
+        and store.tiers.location(store.key(f, ShardKind.GRAD)) is not None
+    }
+    assert len(sizes) <= 1, sizes
+    return sizes.pop() if sizes else None
 
 
 # -- the parity check -----------------------------------------------------------------------------------------

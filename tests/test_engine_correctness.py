@@ -57,6 +57,24 @@ def test_gpt_with_nvme_matches_plain_pytorch(tmp_path, world, offload_param, off
     assert not list(tmp_path.iterdir()), "the swap files are removed at shutdown"
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_gradients_waiting_on_nvme_for_the_clipped_step_are_stored_in_bf16(tmp_path, world):
+    """One micro-batch reduced in bf16: the gradient the clipped step waits for is written as computed (two
+    bytes an element, not four), and training still matches plain PyTorch."""
+    cfg = config(
+        micro_bs=MICRO_BS,
+        persistence=64,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        dtype="bf16",
+        clip=1.0,
+        nvme_path=str(tmp_path),
+    )
+    results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, dtype="bf16")
+    assert all(r["grad_slot_bytes_per_elem"] == 2 for r in results)
+
+
 ARRIVAL_MATRIX = [*itertools.product([1, 2], ["nvme", "none"], ["fp32"], [1, 2]), (1, "nvme", "bf16", 1)]
 
 

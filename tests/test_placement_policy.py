@@ -93,6 +93,42 @@ def test_malloc_is_tuned_only_out_of_core(param, optim, host_budget, expected) -
     assert p.malloc is expected
 
 
+@pytest.mark.parametrize(
+    "dtype,optim,clip,accumulation,world,comm,expected",
+    [
+        ("bf16", "nvme", 1.0, 1, 1, None, torch.bfloat16),  # waits on NVMe as autograd computed it
+        ("bf16", "nvme", 1.0, 1, 2, None, torch.bfloat16),  # reduced in bf16: still exactly bf16
+        ("fp16", "nvme", 0.0, 1, 1, None, torch.float16),  # loss scaling waits for the overflow check
+        ("bf16", "nvme", 1.0, 1, 1, "fp32", torch.bfloat16),  # one rank reduces nothing
+        ("bf16", "nvme", 1.0, 1, 2, "fp32", torch.float32),  # a sum taken in fp32
+        ("bf16", "nvme", 1.0, 2, 1, None, torch.float32),  # micro-batches summed in fp32
+        ("bf16", "nvme", 0.0, 1, 1, None, torch.float32),  # stepped as it arrives: never stored
+        ("bf16", "cpu", 1.0, 1, 1, None, torch.float32),  # a host accumulator
+        ("fp32", "nvme", 1.0, 1, 1, None, torch.float32),
+    ],
+)
+def test_a_gradient_waits_on_nvme_in_the_compute_dtype_where_that_is_exact(
+    dtype, optim, clip, accumulation, world, comm, expected
+) -> None:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clip,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+            "offload_optimizer": {"device": optim, "nvme_path": "/tmp"},
+        },
+        dtype: {"enabled": True},
+    }
+    if comm is not None:
+        cfg["communication_data_type"] = comm
+    if dtype == "fp32":
+        del cfg["fp32"]
+    p = resolve_placement(resolve_auto(resolve_batch_sizes(load_config(cfg), world), 64), CPU, world, False)
+    assert p.grad_dtype == expected
+
+
 SWEEP = list(
     itertools.product(
         ["none", "cpu", "nvme"], ["none", "cpu", "nvme"], ["fp32", "bf16", "fp16"], [0.0, 1.0], [CPU, GPU], [1, 2]

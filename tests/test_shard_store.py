@@ -178,7 +178,8 @@ def _native_step(lent, fused: bool) -> None:
 def test_give_back_writes_the_state_home_and_publishes_the_new_weights(disk_dir, world, param, optim, dtype, fused):
     store = _store(disk_dir, world, param, optim, dtype)
     flat, full32 = _add(store)
-    grad = torch.randn(flat.shard_numel)
+    # as a run hands it over: a bf16 run's one micro-batch is bf16, and an NVMe slot keeps it so (grad_dtype)
+    grad = torch.randn(flat.shard_numel).to(store.placement.grad_dtype)
     store.accumulate_grad(flat, grad, final=True)
     store.finish_grad_writes()
     expected_master = _shard(flat, full32).clone()

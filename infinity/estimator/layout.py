@@ -54,6 +54,7 @@ class _Choice:
     moments: str
     grads_wait: bool  # the step cannot run as a shard's final gradient arrives: an NVMe accumulator slot
     device_is_host: bool
+    grad_bytes: int = 4  # per element of that NVMe slot (`Placement.grad_dtype`)
 
     @property
     def resident(self) -> bool:
@@ -90,7 +91,7 @@ def _flat_homes(elems: int, c: _Choice) -> dict[str, int]:
         homes[optim] += _slot(4 * shard, optim)
     homes[optim] += _slot(moment_format(c.moments).state_bytes(shard), optim)
     if optim != "nvme" or c.grads_wait:
-        homes[optim] += _slot(4 * shard, optim)
+        homes[optim] += _slot((c.grad_bytes if optim == "nvme" else 4) * shard, optim)
     return homes
 
 
@@ -131,7 +132,11 @@ def _choice(
     # On NVMe the step runs as each shard's final gradient arrives, its gradient never written, unless it must
     # wait for the global norm (clipping, fp16) or micro-batches accumulate (shards.policy.StepTiming).
     grads_wait = clip or accumulation > 1
-    return _Choice(stage, offload_param, offload_optimizer, ranks, dtype_bytes, moments, grads_wait, device_is_host)
+    # one micro-batch's gradient waits in the compute dtype (communication_data_type at its default)
+    grad_bytes = dtype_bytes if accumulation == 1 else 4
+    return _Choice(
+        stage, offload_param, offload_optimizer, ranks, dtype_bytes, moments, grads_wait, device_is_host, grad_bytes
+    )
 
 
 def estimate(

@@ -63,8 +63,10 @@ class ShardedAdam(torch.optim.Optimizer):
             if flat.grads_into(acc, accumulate=self.shards.records[flat].has_grad):
                 self.shards.grad_written(flat, final)
             return
-        # a host flat is 4 KiB-aligned so that an NVMe accumulator writes it in place (no staging copy)
-        out = aligned_empty(flat.padded_numel * 4).view(torch.float32) if flat.full.device.type == "cpu" else None
+        # a host flat is 4 KiB-aligned so that an NVMe accumulator writes it in place (no staging copy), in
+        # the dtype the accumulator keeps
+        dtype = self.shards.placement.grad_dtype
+        out = aligned_empty(flat.padded_numel * dtype.itemsize).view(dtype) if flat.full.device.type == "cpu" else None
         full = flat.flat_grad(out)
         if full is not None:
             self.accumulate_grad(flat, full, final)

@@ -142,8 +142,8 @@ class FlatParam:
         self.state = FlatState.SHARDED
 
     def flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The parameters' gradients in one padded fp32 buffer (zeros where a parameter has none), `out`
-        if given; None when no parameter has a gradient."""
+        """The parameters' gradients in one padded buffer (zeros where a parameter has none): `out` if given
+        (any dtype), else a new fp32 one; None when no parameter has a gradient."""
         if out is None:
             out = torch.empty(self.padded_numel, dtype=torch.float32, device=self.full.device)
         return out if self.grads_into(out, accumulate=False) else None

@@ -56,14 +56,14 @@ class GradientAccumulators:
         try:
             grad = staged.wait()
             if self.shard_view(flat, ShardKind.GRAD) is None:  # on NVMe: written from a copy that outlives `staged`
-                grad = _fp32_copy(grad)
+                grad = _aligned_copy(grad, self.placement.grad_dtype)
             self._add_grad(flat, grad, final)
         finally:
             self.crossing.release(staged)
 
     def _add_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
         """`accumulate_grad` of a gradient on the accumulator's side (host gradients in the compute dtype are
-        promoted to fp32 as they are added)."""
+        promoted to fp32 as they are added; an NVMe slot holds `placement.grad_dtype`)."""
         record = self.records[flat]
         view = self.shard_view(flat, ShardKind.GRAD)
         if view is not None:
@@ -74,7 +74,7 @@ class GradientAccumulators:
                 view.copy_(grad)
             self.grad_written(flat, final)
             return
-        grad = self._host_fp32(grad)
+        grad = grad.to("cpu", self.placement.grad_dtype)
         key = self.key(flat, ShardKind.GRAD)
         if record.has_grad:
             held = self.tiers.fetch(key, Tier.HOST).wait()
@@ -155,13 +155,13 @@ class GradientAccumulators:
             record.grad_norm_sq = None
 
 
-def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of a host tensor, 4 KiB-aligned so that an NVMe write reads it in place."""
-    out = aligned_empty(t.numel() * 4).view(torch.float32)
+def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of a host tensor in `dtype`, 4 KiB-aligned so that an NVMe write reads it in place."""
+    out = aligned_empty(t.numel() * dtype.itemsize).view(dtype)
     out.copy_(t)
     return out
 
 
 def _norm_sq(t: torch.Tensor) -> float:
     """Squared L2 norm, each shard's norm taken in fp32 (an fp64 copy would double its memory)."""
-    return float(torch.linalg.vector_norm(t)) ** 2
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2

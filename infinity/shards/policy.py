@@ -78,6 +78,7 @@ class Placement:
     needs_grad_norm: bool  # gradient clipping or fp16's overflow check needs the global norm before a step
     malloc: MallocTuning
     moments: str = "fp32"  # the format Adam's moments are stored in (`shards.moments`)
+    grad_dtype: torch.dtype = torch.float32  # a gradient waiting on NVMe for its step is stored in this
 
     @property
     def step_in_backward(self) -> bool:
@@ -165,6 +166,13 @@ def resolve_placement(
     reduce_dtype = (
         dtype if comm_dtype is None else {"fp32": torch.float32, "fp16": torch.float16}.get(comm_dtype, torch.bfloat16)
     )
+    # A gradient that waits on NVMe for the step is kept in the compute dtype where that loses nothing: one
+    # micro-batch (no sum carried in fp32), reduced in the compute dtype or not reduced at all (one rank).
+    grad_dtype = torch.float32
+    grads_wait_on_nvme = optim_home is Tier.NVME and step_timing is not StepTiming.DURING_BACKWARD
+    single_batch = cfg.gradient_accumulation_steps == 1
+    if grads_wait_on_nvme and dtype != torch.float32 and single_batch and (reduce_dtype == dtype or world_size == 1):
+        grad_dtype = dtype
     return Placement(
         compute_device=compute_device,
         compute_dtype=dtype,
@@ -183,4 +191,5 @@ def resolve_placement(
         needs_grad_norm=needs_norm,
         malloc=malloc,
         moments=z.offload_optimizer.moments,
+        grad_dtype=grad_dtype,
     )

@@ -178,8 +178,8 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         return moment_format(self.placement.moments).state_bytes(flat.shard_numel)
 
     def read(self, flat: FlatParam, kind: ShardKind) -> torch.Tensor:
-        """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 for MASTER and GRAD,
-        the packed bytes for MOMENTS: see `read_moments`)."""
+        """A host copy of this rank's shard of `kind` (compute dtype for PARAM, fp32 for MASTER, fp32 or
+        `placement.grad_dtype` for GRAD, the packed bytes for MOMENTS: see `read_moments`)."""
         self.settle(flat)
         self._land_grads()
         view = self.shard_view(flat, kind)
