@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import Reference, config, rank_and_world, reference_train
+from harness import Reference, config, rank_and_world, reference_train, train_steps
 from torch import nn
 from toy_models import batches, make_model
 
@@ -79,14 +79,8 @@ def train_with_unused(ignore_unused: bool, steps: int) -> dict[str, Any]:
     cfg = config("mlp", extra_zero={"ignore_unused_parameters": ignore_unused})
     engine = infinity.initialize(model=model, config=cfg)[0]
     data = batches("mlp", 2, rank=rank, world_size=world)
-    losses = []
     try:
-        for _ in range(steps):
-            x, y = next(data)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_steps(engine, data, steps)
     except RuntimeError as exc:
         return {"error": str(exc)}
     finally:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import LR, WEIGHT_DECAY, config, config_adamw, cpu_state, rank_and_world
+from harness import LR, WEIGHT_DECAY, config, config_adamw, cpu_state, rank_and_world, train_steps
 from torch import nn
 from toy_models import batches, make_model
 
@@ -172,14 +172,7 @@ def gathered_parameters_session(steps_before: int, steps_after: int) -> dict:
     data = batches("mlp", 2, rank=rank, world_size=world)
 
     def train(n: int) -> list[float]:
-        losses = []
-        for _ in range(n):
-            x, y = next(data)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+        return train_steps(engine, data, n)
 
     out: dict[str, Any] = {"losses": train(steps_before)}
     out["state_before"] = engine.full_state_dict()

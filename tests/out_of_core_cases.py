@@ -6,7 +6,7 @@ import json
 import sys
 
 import torch
-from harness import config
+from harness import config, train_steps
 from toy_models import SEQ, batches
 
 import infinity
@@ -41,14 +41,7 @@ def train_from_init(nvme_path: str, steps: int, host_budget: int, device_budget:
     meta = all(p.is_meta for p in model.parameters())
     engine, _, _, _ = infinity.initialize(model=model, config=cfg)
     initial = dict(engine.iter_full_state())
-    data = batches("gpt", 2, rank=rank, world_size=world)
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, batches("gpt", 2, rank=rank, world_size=world), steps)
     result = {
         "built_on_meta": meta,
         "initial": initial,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_distributed
-from harness import assert_matches_reference, config, reference_for, train_on_rank
+from harness import assert_matches_reference, config, reference_for, train_on_rank, train_steps
 from toy_models import batches, make_model
 
 import infinity
@@ -48,14 +48,7 @@ def reducer_probe(cfg: dict) -> dict:
         complete()
 
     engine.reducer._complete_oldest = counted
-    data = batches("gpt", MICRO_BS, rank=rank, world_size=world)
-    losses = []
-    for _ in range(STEPS):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, batches("gpt", MICRO_BS, rank=rank, world_size=world), STEPS)
     out = {"losses": losses, "state": engine.full_state_dict(), "max_in_flight": max(in_flight)}
     engine.close()
     return out
