@@ -31,6 +31,15 @@ INF_AVX2 inline __m128i f32_to_bf16_avx2(__m256 x) {
     return _mm256_castsi256_si128(packed);
 }
 
+// f32_to_bf16_stochastic on 8 lanes (r16: 16 random bits per lane).
+INF_AVX2 inline __m128i f32_to_bf16_stochastic_avx2(__m256 x, __m256i r16) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0xFFFF)));
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(packed);
+}
+
 template <MomentKind M>
 INF_AVX2 inline __m256 load_moment_avx2(const void* base, int64_t i) {
     if constexpr (M == MomentKind::f32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
@@ -38,10 +47,12 @@ INF_AVX2 inline __m256 load_moment_avx2(const void* base, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// bf16 moments round stochastically (r16: the lanes' random bits for this moment; unused for fp32).
 template <MomentKind M>
-INF_AVX2 inline void store_moment_avx2(void* base, int64_t i, __m256 x) {
+INF_AVX2 inline void store_moment_avx2(void* base, int64_t i, __m256 x, __m256i r16) {
     if constexpr (M == MomentKind::f32) _mm256_storeu_ps(static_cast<float*>(base) + i, x);
-    else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), f32_to_bf16_avx2(x));
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i),
+                          f32_to_bf16_stochastic_avx2(x, r16));
 }
 
 template <CopyKind C>
@@ -147,8 +158,8 @@ INF_AVX2 inline __m128i q8_codes8_avx2(__m256i bits, __m256 scale, __m256i r) {
     return _mm_packus_epi16(words, words);
 }
 
-// The random bits of elements first + j .. first + j + 7 (lo32 of the index never wraps inside a block).
-INF_AVX2 inline __m256i q8_random8_avx2(int64_t first, int64_t j, uint32_t key) {
+// The random bits of elements first + j .. first + j + 7 (lo32 of the index never wraps inside a block or segment).
+INF_AVX2 inline __m256i random_bits8_avx2(int64_t first, int64_t j, uint32_t key) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256i index = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(first + j))), lanes);
     return mix32_avx2(_mm256_xor_si256(index, _mm256_set1_epi32(int(key))));
@@ -161,7 +172,7 @@ INF_AVX2 void q8_encode_avx2(const float* x, uint8_t* codes, int64_t first, int6
     int64_t j = 0;
     for (; j + 8 <= len; j += 8) {
         __m128i c = q8_codes8_avx2<Signed>(_mm256_castps_si256(_mm256_load_ps(x + j)), scale_v,
-                                           q8_random8_avx2(first, j, key));
+                                           random_bits8_avx2(first, j, key));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j), c);
     }
     q8_encode_scalar<Signed>(x, codes, first, j, len, scale, key);
@@ -173,7 +184,7 @@ INF_AVX2 void q8_encode_pair_avx2(const float* m, const float* v, uint8_t* m_cod
     const __m256 m_scale_v = _mm256_set1_ps(m_scale), v_scale_v = _mm256_set1_ps(v_scale);
     int64_t j = 0;
     for (; j + 8 <= len; j += 8) {
-        const __m256i r = q8_random8_avx2(first, j, key);
+        const __m256i r = random_bits8_avx2(first, j, key);
         _mm_storel_epi64(reinterpret_cast<__m128i*>(m_codes + j),
                          q8_codes8_avx2<true>(_mm256_castps_si256(_mm256_load_ps(m + j)), m_scale_v, r));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(v_codes + j),
@@ -237,16 +248,22 @@ INF_AVX2 void range_avx2(const StepConsts& consts, const Buffers& bufs, int64_t 
         range_q8_avx2<G, C, L2>(c, b, begin, end);
     } else {
         const Avx2Consts k(c);
-        int64_t i = begin;
-        for (; i + 8 <= end; i += 8) {
-            __m256 m = load_moment_avx2<M>(b.m, i), v = load_moment_avx2<M>(b.v, i);
-            __m256 p = adam8_avx2<G, L2>(k, b, i, m, v);
-            _mm256_storeu_ps(b.p + i, p);
-            store_moment_avx2<M>(b.m, i, m);
-            store_moment_avx2<M>(b.v, i, v);
-            store_copy_avx2<C>(b, i, p);
+        for (int64_t seg = begin; seg < end;) {  // lo32 of the index must not wrap inside 8 lanes
+            const int64_t seg_end = segment_end(seg, end);
+            const uint32_t key = q8_block_key(c, seg);
+            int64_t i = seg;
+            for (; i + 8 <= seg_end; i += 8) {
+                __m256 m = load_moment_avx2<M>(b.m, i), v = load_moment_avx2<M>(b.v, i);
+                __m256 p = adam8_avx2<G, L2>(k, b, i, m, v);
+                _mm256_storeu_ps(b.p + i, p);
+                const __m256i r = M == MomentKind::bf16 ? random_bits8_avx2(i, 0, key) : _mm256_setzero_si256();
+                store_moment_avx2<M>(b.m, i, m, _mm256_srli_epi32(r, 16));
+                store_moment_avx2<M>(b.v, i, v, _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
+                store_copy_avx2<C>(b, i, p);
+            }
+            for (; i < seg_end; ++i) step_scalar_elem<G, C, L2, M>(c, b, i);
+            seg = seg_end;
         }
-        for (; i < end; ++i) step_scalar_elem<G, C, L2, M>(c, b, i);
         if constexpr (C != CopyKind::none) if (b.stream_copy) _mm_sfence();
     }
 }

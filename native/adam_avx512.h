@@ -28,6 +28,13 @@ INF_AVX512 inline __m256i f32_to_bf16_avx512(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+// f32_to_bf16_stochastic on 16 lanes (r16: 16 random bits per lane).
+INF_AVX512 inline __m256i f32_to_bf16_stochastic_avx512(__m512 x, __m512i r16) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r16), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 template <MomentKind M>
 INF_AVX512 inline __m512 load_moment_avx512(const void* base, int64_t i, __mmask16 k) {
     if constexpr (M == MomentKind::f32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(base) + i);
@@ -35,15 +42,17 @@ INF_AVX512 inline __m512 load_moment_avx512(const void* base, int64_t i, __mmask
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// bf16 moments round stochastically (r16: the lanes' random bits for this moment; unused for fp32).
 template <MomentKind M, bool Full>
-INF_AVX512 inline void store_moment_avx512(void* base, int64_t i, __mmask16 k, __m512 x) {
+INF_AVX512 inline void store_moment_avx512(void* base, int64_t i, __mmask16 k, __m512 x, __m512i r16) {
     if constexpr (M == MomentKind::f32) {
         if constexpr (Full) _mm512_storeu_ps(static_cast<float*>(base) + i, x);
         else _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x);
     } else {
         uint16_t* dst = static_cast<uint16_t*>(base) + i;
-        if constexpr (Full) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), f32_to_bf16_avx512(x));
-        else _mm256_mask_storeu_epi16(dst, k, f32_to_bf16_avx512(x));
+        const __m256i h = f32_to_bf16_stochastic_avx512(x, r16);
+        if constexpr (Full) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+        else _mm256_mask_storeu_epi16(dst, k, h);
     }
 }
 
@@ -138,8 +147,8 @@ INF_AVX512 inline __m128i q8_codes16_avx512(__m512i bits, __m512 scale, __m512i 
     return _mm512_cvtepi32_epi8(code);
 }
 
-// The random bits of elements first + j .. first + j + 15 (lo32 of the index never wraps inside a block).
-INF_AVX512 inline __m512i q8_random16_avx512(int64_t first, int64_t j, uint32_t key) {
+// The random bits of elements first + j .. first + j + 15 (lo32 of the index never wraps inside a block or segment).
+INF_AVX512 inline __m512i random_bits16_avx512(int64_t first, int64_t j, uint32_t key) {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i index = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(first + j))), lanes);
     return mix32_avx512(_mm512_xor_si512(index, _mm512_set1_epi32(int(key))));
@@ -153,7 +162,7 @@ INF_AVX512 void q8_encode_avx512(const float* x, uint8_t* codes, int64_t first, 
     for (int64_t j = 0; j < len; j += 16) {
         const __mmask16 k = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1u);
         __m512i bits = _mm512_castps_si512(_mm512_maskz_load_ps(k, x + j));
-        _mm_mask_storeu_epi8(codes + j, k, q8_codes16_avx512<Signed>(bits, scale_v, q8_random16_avx512(first, j, key)));
+        _mm_mask_storeu_epi8(codes + j, k, q8_codes16_avx512<Signed>(bits, scale_v, random_bits16_avx512(first, j, key)));
     }
 }
 
@@ -163,7 +172,7 @@ INF_AVX512 void q8_encode_pair_avx512(const float* m, const float* v, uint8_t* m
     const __m512 m_scale_v = _mm512_set1_ps(m_scale), v_scale_v = _mm512_set1_ps(v_scale);
     int64_t j = 0;
     for (; j + 16 <= len; j += 16) {
-        const __m512i r = q8_random16_avx512(first, j, key);
+        const __m512i r = random_bits16_avx512(first, j, key);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + j),
                          q8_codes16_avx512<true>(_mm512_castps_si512(_mm512_load_ps(m + j)), m_scale_v, r));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + j),
@@ -171,7 +180,7 @@ INF_AVX512 void q8_encode_pair_avx512(const float* m, const float* v, uint8_t* m
     }
     if (j < len) {
         const __mmask16 k = __mmask16((1u << (len - j)) - 1u);
-        const __m512i r = q8_random16_avx512(first, j, key);
+        const __m512i r = random_bits16_avx512(first, j, key);
         _mm_mask_storeu_epi8(m_codes + j, k,
                              q8_codes16_avx512<true>(_mm512_castps_si512(_mm512_maskz_load_ps(k, m + j)), m_scale_v, r));
         _mm_mask_storeu_epi8(v_codes + j, k, q8_codes16_avx512<false>(
@@ -227,14 +236,15 @@ INF_AVX512 void range_q8_avx512(const StepConsts& c, const Buffers& b, int64_t b
 
 // ---------------------------------------------------------------- fp32 and bf16 moments
 
-// One 16-lane step; lanes outside mask k are neither read nor written.
+// One 16-lane step; lanes outside mask k are neither read nor written. `key`: q8_block_key of i.
 template <GradKind G, CopyKind C, bool L2, MomentKind M, bool Full>
-INF_AVX512 inline void step16_avx512(const StepConsts& c, const Buffers& b, int64_t i, __mmask16 k) {
+INF_AVX512 inline void step16_avx512(const StepConsts& c, const Buffers& b, int64_t i, __mmask16 k, uint32_t key) {
     __m512 m = load_moment_avx512<M>(b.m, i, k), v = load_moment_avx512<M>(b.v, i, k);
     __m512 p = adam16_avx512<G, L2>(c, b, i, k, m, v);
     store_p_avx512<C, Full>(b, i, k, p);
-    store_moment_avx512<M, Full>(b.m, i, k, m);
-    store_moment_avx512<M, Full>(b.v, i, k, v);
+    const __m512i r = M == MomentKind::bf16 ? random_bits16_avx512(i, 0, key) : _mm512_setzero_si512();
+    store_moment_avx512<M, Full>(b.m, i, k, m, _mm512_srli_epi32(r, 16));
+    store_moment_avx512<M, Full>(b.v, i, k, v, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
 }
 
 template <GradKind G, CopyKind C, bool L2, MomentKind M>
@@ -244,9 +254,15 @@ INF_AVX512 void range_avx512(const StepConsts& consts, const Buffers& bufs, int6
     if constexpr (M == MomentKind::q8) {
         range_q8_avx512<G, C, L2>(c, b, begin, end);
     } else {
-        int64_t i = begin;
-        for (; i + 16 <= end; i += 16) step16_avx512<G, C, L2, M, true>(c, b, i, 0xFFFF);
-        if (i < end) step16_avx512<G, C, L2, M, false>(c, b, i, __mmask16((1u << (end - i)) - 1u));
+        for (int64_t seg = begin; seg < end;) {  // lo32 of the index must not wrap inside 16 lanes
+            const int64_t seg_end = segment_end(seg, end);
+            const uint32_t key = q8_block_key(c, seg);
+            int64_t i = seg;
+            for (; i + 16 <= seg_end; i += 16) step16_avx512<G, C, L2, M, true>(c, b, i, 0xFFFF, key);
+            if (i < seg_end)
+                step16_avx512<G, C, L2, M, false>(c, b, i, __mmask16((1u << (seg_end - i)) - 1u), key);
+            seg = seg_end;
+        }
         if constexpr (C != CopyKind::none) if (b.stream_copy) _mm_sfence();
     }
 }

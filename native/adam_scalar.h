@@ -124,6 +124,24 @@ inline uint32_t q8_block_key(const StepConsts& c, int64_t first) {
     return mix32(uint32_t(uint64_t(first) >> 32) ^ c.step_mix);
 }
 
+// The 32 random bits of element i at this step: the stochastic rounding of both compressed formats
+// (8bit codes and bf16 moments) reads them; exp_avg takes the high half, exp_avg_sq the low.
+inline uint32_t element_random_bits(const StepConsts& c, int64_t i) {
+    return mix32(uint32_t(i) ^ q8_block_key(c, i));
+}
+
+// The end of the run of [begin, end) that shares begin's upper 32 index bits (one key).
+inline int64_t segment_end(int64_t begin, int64_t end) {
+    return std::min(end, int64_t(((uint64_t(begin) >> 32) + 1) << 32));
+}
+
+// Rounds x to bf16 stochastically: away from zero with probability (its 16 dropped bits) / 2^16,
+// resolved by the 16 random bits r16; exact values stay exact. NaN becomes 0xFFFF, as in f32_to_bf16.
+inline uint16_t f32_to_bf16_stochastic(float x, uint32_t r16) {
+    if (std::isnan(x)) return 0xFFFF;
+    return uint16_t((f32_bits(x) + r16) >> 16);
+}
+
 // exp_avg codes are sign + E4M3 (bias 15), exp_avg_sq codes E5M3 (bias 31); the top binade is [1, 2).
 template <bool Signed>
 struct Q8Map {
@@ -206,10 +224,11 @@ inline float load_moment_scalar(const void* base, int64_t i) {
     else return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
+// bf16 moments round stochastically (r16: the element's random bits for this moment).
 template <MomentKind M>
-inline void store_moment_scalar(void* base, int64_t i, float x) {
+inline void store_moment_scalar(void* base, int64_t i, float x, uint32_t r16) {
     if constexpr (M == MomentKind::f32) static_cast<float*>(base)[i] = x;
-    else static_cast<uint16_t*>(base)[i] = f32_to_bf16(x);
+    else static_cast<uint16_t*>(base)[i] = f32_to_bf16_stochastic(x, r16);
 }
 
 template <CopyKind C>
@@ -237,8 +256,9 @@ inline void step_scalar_elem(const StepConsts& c, const Buffers& b, int64_t i) {
     float m = load_moment_scalar<M>(b.m, i), v = load_moment_scalar<M>(b.v, i);
     const float p = adam_elem<G, L2>(c, b.g, b.p[i], i, m, v);
     b.p[i] = p;
-    store_moment_scalar<M>(b.m, i, m);
-    store_moment_scalar<M>(b.v, i, v);
+    const uint32_t r = M == MomentKind::bf16 ? element_random_bits(c, i) : 0u;
+    store_moment_scalar<M>(b.m, i, m, r >> 16);
+    store_moment_scalar<M>(b.v, i, v, r & 0xFFFFu);
     store_copy_scalar<C>(b.copy, i, p);
 }
 

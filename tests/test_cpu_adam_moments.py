@@ -152,6 +152,21 @@ def test_bf16_grad_equals_fp32_grad_of_the_same_values_bitwise(path, fmt):
         assert_same_bits(s16[key], s32[key], key)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_exp_avg_sq_keeps_its_small_updates(path):
+    """At beta2 = 0.999 each step moves exp_avg_sq by 0.1%, under bf16's half ulp: rounded to nearest it
+    would freeze near 0.4 with a constant gradient of 1; rounded stochastically it tracks 1 - 0.999^t."""
+    n, steps = 4096, 2000
+    p, g = torch.zeros(n), torch.ones(n)
+    state = zero_state("bf16", n)
+    hyper = {**HYPER, "lr": 0.0, "weight_decay": 0.0}
+    for step in range(1, steps + 1):
+        native_step(p, g, state, "bf16", step=step, simd=path, **hyper)
+    expected = 1 - 0.999**steps  # 0.8648
+    assert state["exp_avg_sq"].float().mean().item() == pytest.approx(expected, rel=0.01)
+    assert state["exp_avg"].float().mean().item() == pytest.approx(1.0, rel=0.01)
+
+
 # ---------------------------------------------------------------- the optimizers
 
 

@@ -101,6 +101,32 @@ def test_stochastic_rounding_is_unbiased_and_stays_between_neighbours(name):
     assert torch.all((sums / steps - y).abs()[1:9] <= 5 * sigma[1:9])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_stochastic_rounding_is_unbiased_and_stays_between_neighbours(name):
+    """Each value rounded at 2048 steps: always its bf16 neighbour below or above (in magnitude), exact
+    values unchanged, the mean within 5 sigma of the value; NaN becomes 0xFFFF as torch's cast."""
+    x = torch.tensor([1.0, 0.3, -0.0007, 1e-30, 3.0e9, -2.5, 1.0 + 2.0**-9, 0.1, float("nan")])
+    if name == "exp_avg_sq":
+        x[:8] = x[:8].abs()
+    finite = x[:8].double()
+    down = (x[:8].view(torch.int32) & ~0xFFFF).view(torch.float32).double()  # truncated: toward zero
+    up = ((x[:8].view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32).double()
+    exact = finite == down
+    sums = torch.zeros(8, dtype=torch.float64)
+    steps = 2048
+    for step in range(1, steps + 1):
+        codes, scale = encode(x, "bf16", name, step=step)
+        assert scale is None and codes.dtype == torch.bfloat16
+        assert codes.view(torch.int16)[8].item() == -1  # 0xFFFF
+        values = codes[:8].double()
+        assert torch.all((values == down) | ((values == up) & ~exact))
+        sums += values
+    p = (finite - down) / (up - down)
+    sigma = (up - down).abs() * torch.sqrt(p * (1 - p) / steps)
+    assert torch.all((sums / steps - finite).abs() <= 5 * sigma + 1e-300)
+    assert not torch.equal(encode(x, "bf16", name, step=1)[0], encode(x, "bf16", name, step=2)[0])
+
+
 def test_mix32_is_lowbias32_on_python_ints():
     def lowbias32(x: int) -> int:
         x ^= x >> 16

@@ -55,7 +55,7 @@ def stored_moments_step(
     """One step with the moments in `state` (keys as moments.zero_state) stored in `fmt`, all in place.
 
     Decodes both moments, runs `adam_formula_step` (`hyper`: its keyword arguments), encodes the new
-    moments back into `state` (8bit: rounded stochastically, keyed by hyper["step"]), and casts the new
+    moments back into `state` (bf16, 8bit: rounded stochastically, keyed by hyper["step"]), and casts the new
     p into `out_copy` if given.
     """
     fmt = moment_format(fmt)
