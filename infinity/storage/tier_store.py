@@ -20,7 +20,8 @@ import torch
 
 from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.storage.buffer_pool import aligned_view, copy_bytes, round_up
-from infinity.storage.mover import TierMover, holder_of
+from infinity.storage.copy_memory import holder_of
+from infinity.storage.mover import TierMover
 from infinity.storage.recorder import Recorder
 from infinity.storage.tier_types import TIER_DEPTH, Copy, FetchHandle, MoveHandle, Shard, Tier, TierBudgets
 
