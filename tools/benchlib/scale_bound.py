@@ -30,6 +30,7 @@ from benchlib.measure import median_time
 
 MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8.0 / 256}  # per parameter, both moments
 MASTER_BYTES = 4
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2}  # per parameter, by compute dtype
 
 
 def min_step_bytes(params: int, compute_bytes: int, moments: str) -> dict[str, Any]:
