@@ -1,11 +1,18 @@
-"""With the step during backward, fp32, parameters and optimizer on NVMe under a host budget, every step
-reads the least the configuration allows: each parameter shard once for forward, once more in backward,
-where the gather's host copy is also the step's master (one NVMe slot), and the moments once.
+"""fp32, parameters and optimizer on NVMe under a host budget: every step reads the least the configuration
+allows.
 
-The first step has no recorded order, so nothing is read ahead; later steps read the next blocks ahead
-in backward, and that read-ahead must not evict the copies the step is about to read."""
+With the step during backward: each parameter shard once for forward, once more in backward, where the
+gather's host copy is also the step's master (one NVMe slot), and the moments once. The first step has no
+recorded order, so nothing is read ahead; later steps read the next blocks ahead in backward, and that
+read-ahead must not evict the copies the step is about to read.
+
+With clipping, the step waits for the global norm and runs before the next forward's gather of each
+shard: it reads the master (the parameter shard), the moments and the gradient that waited on NVMe, and
+the gather reads the new weights from the step's host copy; backward reads each shard once more."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -30,8 +37,7 @@ def _nvme_bytes(engine, kind: ShardKind) -> int:
     return total
 
 
-@pytest.mark.parametrize("host_budget_mib", [4, 5, 8, None])  # None: the budget the offload settings imply
-def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_step(tmp_path, host_budget_mib):
+def _engine(tmp_path, host_budget_mib: int | None, clip: float):
     torch.manual_seed(0)
     model = GPT(gpt_preset("small", block_size=SEQ, bias=False, n_layer=16, n_embd=64))
     cfg = config(
@@ -39,7 +45,7 @@ def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_
         persistence=64,
         offload_param="nvme",
         offload_optimizer="nvme",
-        clip=0.0,
+        clip=clip,
         nvme_path=str(tmp_path),
         extra_zero={
             "host_budget_bytes": None if host_budget_mib is None else host_budget_mib << 20,
@@ -49,16 +55,54 @@ def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_
         },
     )
     engine, *_ = infinity.initialize(model=model, config=cfg)
+    return engine
+
+
+def _reads_per_step(engine) -> list[int]:
+    data = batches("gpt", 2)
+    read = []
+    for _ in range(STEPS):
+        before = engine.bytes_moved.get("nvme->host", 0)
+        train_steps(engine, data, 1)
+        read.append(engine.bytes_moved["nvme->host"] - before)
+    return read
+
+
+@pytest.mark.parametrize("host_budget_mib", [4, 5, 8, None])  # None: the budget the offload settings imply
+def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_step(tmp_path, host_budget_mib):
+    engine = _engine(tmp_path, host_budget_mib, clip=0.0)
     try:
         assert engine.placement.step_in_backward and engine.placement.master_is_param
-        data = batches("gpt", 2)
-        read = []
-        for _ in range(STEPS):
-            before = engine.bytes_moved.get("nvme->host", 0)
-            train_steps(engine, data, 1)
-            read.append(engine.bytes_moved["nvme->host"] - before)
+        read = _reads_per_step(engine)
         assert engine.optimizer.stepped_in_backward > 0
         params, moments = _nvme_bytes(engine, ShardKind.PARAM), _nvme_bytes(engine, ShardKind.MOMENTS)
         assert read == [2 * params + moments] * STEPS
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("host_budget_mib", [4, 5])
+def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_path, host_budget_mib):
+    """Each parameter shard is read from NVMe at most twice a step: by the step (as its master) and by the
+    backward gather; the forward gather after the step reads the step's host copy."""
+    engine = _engine(tmp_path, host_budget_mib, clip=1.0)
+    try:
+        assert not engine.placement.step_in_backward and engine.placement.master_is_param
+        reads: Counter = Counter()
+        count = engine.moves.record
+
+        def record(event) -> None:  # observes every move, then counts it as before
+            if event.src == "nvme" and event.key[-1] == ShardKind.PARAM.value:
+                reads[event.key] += 1
+            count(event)
+
+        engine.moves.record = record
+        data = batches("gpt", 2)
+        train_steps(engine, data, 1)  # the first step: nothing is owed before its forward
+        for _ in range(STEPS - 1):
+            reads.clear()
+            train_steps(engine, data, 1)
+            assert reads and max(reads.values()) <= 2, reads.most_common(3)
+        assert engine.optimizer.stepped_when_needed > 0
     finally:
         engine.close()

@@ -18,6 +18,7 @@ from infinity.partition import FlatParam
 from infinity.shards import ShardKind, ShardStore
 from infinity.shards.registry import owner_of
 from infinity.storage import Tier, TierBudgets, TierStore
+from infinity.storage.recorder import MoveCounter
 
 pytestmark = pytest.mark.unit
 pytest_plugins = ["storage_fixtures"]  # disk_dir: a directory on a disk that takes O_DIRECT
@@ -198,6 +199,33 @@ def test_give_back_writes_the_state_home_and_publishes_the_new_weights(disk_dir,
     moments = _moments_from_home(store, flat)
     assert torch.equal(moments["exp_avg"], expected_m) and torch.equal(moments["exp_avg_sq"], expected_v)
     assert torch.equal(_read_from_home(store, flat, ShardKind.PARAM), expected_master.to(DTYPES[dtype]))
+    store.close()
+
+
+@pytest.mark.parametrize("gather_next", [True, False])
+def test_a_step_before_the_gather_leaves_the_new_weights_where_the_gather_reads_them(disk_dir, gather_next):
+    """fp32 on NVMe, the master the parameter shard: after a step deferred to the next gather (clipping), the
+    gather reads the new weights from the step's host copy, not back from the file; any other step's copy
+    is dropped once written."""
+    recorder = MoveCounter()
+    cfg = config("mlp", offload_param="nvme", offload_optimizer="nvme", dtype="fp32", clip=1.0,
+                 nvme_path=str(disk_dir))  # fmt: skip
+    tiers = TierStore(str(disk_dir), AioConfig(), TierBudgets(), recorder=recorder)
+    store = ShardStore(tiers, placement_of(cfg, 1), CommGroup(0, 1))
+    flat, _ = _add(store)
+    assert store.placement.master_is_param and not store.placement.step_in_backward
+    store.accumulate_grad(flat, torch.randn(flat.shard_numel), final=True)
+    store.finish_grad_writes()
+    lent = store.lend(flat, with_grad=True)
+    _native_step(lent, fused=False)
+    new_master = lent.master.clone()
+    store.give_back(lent, param_written=False, gather_next=gather_next).finish()
+    read_before = recorder.bytes.get("nvme->host", 0)
+    fetched = store.fetch_param(flat).wait()
+    assert torch.equal(fetched, new_master)
+    store.release_param(flat)
+    assert recorder.bytes.get("nvme->host", 0) - read_before == (0 if gather_next else flat.shard_numel * 4)
+    assert store.tiers.live_bytes(Tier.HOST) == 0  # the gather's release drops the copy either way
     store.close()
 
 

@@ -195,7 +195,7 @@ class NativeStepper:
         while self._deferred:
             head = self._deferred.popleft()
             self.shards.discharge(head)
-            self._step_one(head, None, grad_scale, hyper)
+            self._step_one(head, None, grad_scale, hyper, gather_next=True)
             self.stepped_when_needed += 1
             if head is flat:
                 break
@@ -218,7 +218,12 @@ class NativeStepper:
             self.shards.settle(self._deferred[-1])
 
     def _step_one(
-        self, flat: FlatParam, grad: torch.Tensor | None, grad_scale: float, hyper: list[dict[str, Any]] | None = None
+        self,
+        flat: FlatParam,
+        grad: torch.Tensor | None,
+        grad_scale: float,
+        hyper: list[dict[str, Any]] | None = None,
+        gather_next: bool = False,
     ) -> None:
         block = flat.name.split("#", 1)[0]
         start = time.perf_counter_ns()
@@ -240,7 +245,7 @@ class NativeStepper:
             raise
         if in_optimizer_phase:
             self.prof.compute(block, fetched, time.perf_counter_ns())
-        self._returning.append(self.shards.give_back(lent, param_written=written))
+        self._returning.append(self.shards.give_back(lent, param_written=written, gather_next=gather_next))
         # the shards read ahead on arrival share the window's host memory with those being written
         in_flight = max(1, self.window - len(self._arrived)) if self.write_behind else 1
         while len(self._returning) >= in_flight:

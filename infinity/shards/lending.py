@@ -51,10 +51,13 @@ class LentShard:
 class Returned:
     """A lent shard given back: its writes in flight; `finish()` waits for them and frees the buffers."""
 
-    def __init__(self, store: ShardStore, lent: LentShard, writes: list[MoveHandle]) -> None:
+    def __init__(
+        self, store: ShardStore, lent: LentShard, writes: list[MoveHandle], cached: frozenset[Hashable] = frozenset()
+    ) -> None:
         self._store = store
         self._lent = lent
         self.writes = writes
+        self._cached = cached  # fetched keys whose host copies stay cached after the writes
         self.block = lent.flat.name.split("#", 1)[0]
 
     def finish(self) -> None:
@@ -63,8 +66,10 @@ class Returned:
                 handle.wait()
         finally:
             for key in self._lent.fetched:
-                self._store.tiers.release(key, Tier.HOST)
-                self._store.tiers.evict(key)
+                # a copy the gather reads next is kept from the read-ahead's eviction, as a prefetch is
+                self._store.tiers.release(key, Tier.HOST, keep=key in self._cached)
+                if key not in self._cached:
+                    self._store.tiers.evict(key)
             self._lent.fetched = []
             if self._lent.staged_out is not None:  # after the copy to the device read it
                 self._store.crossing.release(self._lent.staged_out)
@@ -124,9 +129,13 @@ class OptimizerLending:
         out = aligned_empty(flat.shard_numel * p.compute_dtype.itemsize).view(p.compute_dtype)
         return out if master.device.type == "cpu" else out.to(master.device)
 
-    def give_back(self, lent: LentShard, param_written: bool) -> Returned:
+    def give_back(self, lent: LentShard, param_written: bool, gather_next: bool = False) -> Returned:
         """The step on `lent` is done (`param_written`: it also wrote `param_out`): the new weights go to the
-        parameter shard, NVMe state is written home; `finish()` the result before reusing the memory."""
+        parameter shard, NVMe state is written home; `finish()` the result before reusing the memory.
+
+        `gather_next`: the next forward's gather reads this shard next (a step deferred until then). Where
+        the master is the parameter shard, its host copy then stays cached once written, so that the
+        gather reads the new weights from memory, not back from NVMe."""
         flat, p = lent.flat, self.placement
         writes: list[MoveHandle] = []
         if p.optim_home is Tier.NVME:
@@ -146,4 +155,5 @@ class OptimizerLending:
                 writes.append(self.tiers.write(param_key, out))
         if p.param_home is not Tier.NVME:
             self.tiers.evict(param_key)  # copies above the home are stale
-        return Returned(self, lent, writes)
+        keep_for_gather = gather_next and p.master_is_param and param_key in lent.fetched
+        return Returned(self, lent, writes, frozenset((param_key,)) if keep_for_gather else frozenset())
