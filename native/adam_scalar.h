@@ -41,7 +41,7 @@ struct StepConsts {
     float bc2_sqrt;         // sqrt(1 - beta2^step)
     float eps;
     float neg_step_size;    // -lr / (1 - beta1^step)
-    uint32_t step_mix;      // mix32(low 32 bits of step): keys the 8-bit format's rounding
+    uint32_t step_mix;      // mix32(low 32 bits of step): keys the stochastic rounding (bf16, 8bit)
 };
 
 struct Buffers {

@@ -110,9 +110,9 @@ def adam_step_flat(
     `step` is the 1-based step count after this update (bias correction). The grad (fp32, bf16 or
     fp16) is multiplied by `grad_scale` first; `out_copy` (bf16/fp16) receives the new weights.
     exp_avg and exp_avg_sq are stored in the `moments` format: "fp32" (float32), "bf16" (bfloat16) or
-    "8bit" (uint8 codes, with float32 `exp_avg_scale` and `exp_avg_sq_scale`, one per block; the
-    block grid and the rounding's random stream count from the shard's first element, so step a
-    shard whole, always from the same first element). Runs on `num_threads` threads (default
+    "8bit" (uint8 codes, with float32 `exp_avg_scale` and `exp_avg_sq_scale`, one per block). bf16 and
+    8bit round stochastically; the block grid and the rounding's random stream count from the shard's
+    first element, so step a shard whole, always from the same first element. Runs on `num_threads` threads (default
     torch.get_num_threads()) and the `simd` path (default $INFINITY_SIMD, else the best this CPU
     has). Raises ValueError for any bad input.
     """
