@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_signals import default_signal_actions
 
 from infinity.cli.faults import ExitCode
 from infinity.engine.checkpoint import LATEST, MANIFEST, model_file, optim_file, verify_checkpoint
@@ -49,6 +50,7 @@ def _popen(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_signal_actions,
     )
 
 

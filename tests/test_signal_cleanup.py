@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_signals import default_signal_actions
 
 pytest_plugins = ["storage_fixtures"]  # real directories: a direct-I/O disk, mounts that refuse it
 
@@ -29,7 +30,9 @@ def open_store(rank=0):
 
 def _start(code: str, directory: Path) -> tuple[subprocess.Popen, str]:
     argv = [sys.executable, "-c", _PRELUDE + code, str(directory)]
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signal_actions
+    )
     ready = child.stdout.readline().strip()
     assert ready, child.communicate(timeout=30)[1]
     return child, ready
@@ -167,6 +170,7 @@ def test_a_forked_child_killed_by_a_signal_leaves_its_parents_file(disk_dir: Pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_signal_actions,
     )
     child.stdout.readline()
     out, err = child.communicate("go\n", timeout=60)
