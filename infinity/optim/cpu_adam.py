@@ -112,9 +112,9 @@ def adam_step_flat(
     exp_avg and exp_avg_sq are stored in the `moments` format: "fp32" (float32), "bf16" (bfloat16) or
     "8bit" (uint8 codes, with float32 `exp_avg_scale` and `exp_avg_sq_scale`, one per block). bf16 and
     8bit round stochastically; the block grid and the rounding's random stream count from the shard's
-    first element, so step a shard whole, always from the same first element. Runs on `num_threads` threads (default
-    torch.get_num_threads()) and the `simd` path (default $INFINITY_SIMD, else the best this CPU
-    has). Raises ValueError for any bad input.
+    first element, so step a shard whole, always from the same first element. Runs on `num_threads`
+    threads (default torch.get_num_threads()) and the `simd` path (default $INFINITY_SIMD, else the
+    best this CPU has). Raises ValueError for any bad input.
     """
     fmt = moment_format(moments)
     _check_tensor("param", param, (torch.float32,), None)
