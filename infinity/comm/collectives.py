@@ -43,6 +43,20 @@ class _Work:
             raise self._fail(exc) from exc
 
 
+class _AllWorks:
+    """Several async collectives seen as one work handle."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
 @dataclass(frozen=True)
 class CommGroup:
     """The data-parallel group: this rank, the world size, the torch process group (None if 1) and the
@@ -79,10 +93,30 @@ class CommGroup:
             full.copy_(shard)
             return None
         try:
-            work = _all_gather_flat(full, shard, group=self.group, async_op=async_op)
+            if dist.get_backend(self.group) == "gloo":
+                work = self._all_gather_by_broadcasts(full, shard, async_op)
+            else:
+                work = _all_gather_flat(full, shard, group=self.group, async_op=async_op)
         except Exception as exc:
             raise self._fail("all-gather", what, exc) from exc
         return _Work(work, lambda exc: self._fail("all-gather", what, exc)) if work is not None else None
+
+    def _all_gather_by_broadcasts(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
+        """Gloo's all-gather receives into a fresh buffer of the full size and then copies it into `full`
+        (page faults and a copy per gather, on the cores that compute); a broadcast from each rank writes
+        its slot of `full` in place, and the bytes on the wire are the same."""
+        n = shard.numel()
+        mine = full.narrow(0, self.rank * n, n)
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard)
+        works = [
+            dist.broadcast(full.narrow(0, r * n, n), src=self._global_rank(r), group=self.group, async_op=async_op)
+            for r in range(self.world_size)
+        ]
+        return _AllWorks(works) if async_op else None
+
+    def _global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """Write into `shard` this rank's slice of the sum of `full` over ranks; a work handle if `async_op`

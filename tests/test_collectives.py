@@ -1,0 +1,70 @@
+"""CommGroup's collectives over real Gloo groups of several processes: results in rank order, in place."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from dist import run_distributed
+
+from infinity.comm import CommGroup
+
+SHARD = 5  # odd on purpose: no slot boundary falls on a vector width
+
+
+def _shard_of(rank: int) -> torch.Tensor:
+    return torch.arange(SHARD, dtype=torch.float32) + 100.0 * (rank + 1)
+
+
+def _expected(ranks: list[int]) -> torch.Tensor:
+    return torch.cat([_shard_of(r) for r in ranks])
+
+
+def _gathers(world: int) -> list[str]:
+    """Every way the engine calls all_gather: sync, async, and a shard that is already a view of its own slot."""
+    rank = dist.get_rank()
+    comm = CommGroup(rank, world, dist.group.WORLD)
+    failures = []
+
+    full = torch.full((world * SHARD,), -1.0)
+    address = full.data_ptr()
+    assert comm.all_gather(full, _shard_of(rank), "a sync gather") is None
+    if not torch.equal(full, _expected(list(range(world)))) or full.data_ptr() != address:
+        failures.append(f"sync: {full.tolist()}")
+
+    full = torch.full((world * SHARD,), -1.0)
+    shard = _shard_of(rank)
+    work = comm.all_gather(full, shard, "an async gather", async_op=True)
+    work.wait()
+    if not work.is_completed() or not torch.equal(full, _expected(list(range(world)))):
+        failures.append(f"async: {full.tolist()}")
+
+    full = torch.full((world * SHARD,), -1.0)
+    mine = full[rank * SHARD : (rank + 1) * SHARD]
+    mine.copy_(_shard_of(rank))
+    comm.all_gather(full, mine, "a gather from its own slot", async_op=True).wait()
+    if not torch.equal(full, _expected(list(range(world)))):
+        failures.append(f"own slot: {full.tolist()}")
+    return failures
+
+
+def test_all_gather_fills_every_slot_in_rank_order_on_two_and_three_ranks():
+    for world in (2, 3):
+        assert run_distributed(_gathers, world, world, timeout_s=60) == [[]] * world
+
+
+def _subgroup_gather() -> list[float] | None:
+    """Ranks 1 and 2 of three gather in their own group: group rank 0 is global rank 1."""
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    comm = CommGroup(dist.get_rank(group), 2, group)
+    full = torch.empty(2 * SHARD)
+    comm.all_gather(full, _shard_of(rank), "a subgroup's gather", async_op=True).wait()
+    return full.tolist()
+
+
+def test_all_gather_in_a_subgroup_maps_group_ranks_to_global_ranks():
+    results = run_distributed(_subgroup_gather, 3, timeout_s=60)
+    assert results[0] is None
+    assert results[1] == results[2] == _expected([1, 2]).tolist()
