@@ -202,30 +202,47 @@ def test_give_back_writes_the_state_home_and_publishes_the_new_weights(disk_dir,
     store.close()
 
 
-@pytest.mark.parametrize("gather_next", [True, False])
-def test_a_step_before_the_gather_leaves_the_new_weights_where_the_gather_reads_them(disk_dir, gather_next):
-    """fp32 on NVMe, the master the parameter shard: after a step deferred to the next gather (clipping), the
-    gather reads the new weights from the step's host copy, not back from the file; any other step's copy
-    is dropped once written."""
+@pytest.mark.parametrize(
+    "dtype,fused,gather_next",
+    [
+        ("fp32", False, True),  # the master is the parameter shard: its host copy stays
+        ("fp32", False, False),
+        ("bf16", True, True),  # the native step writes the bf16 weights into the parameter shard's host copy
+        ("bf16", False, True),  # give_back casts the master into it
+        ("bf16", True, False),
+    ],
+)
+def test_a_step_before_the_gather_leaves_the_new_weights_where_the_gather_reads_them(
+    disk_dir, dtype, fused, gather_next
+):
+    """Parameters and optimizer on NVMe: after a step deferred to the next gather (clipping), the gather reads
+    the new weights from the step's host copy, not back from the file; any other step's copy is dropped once
+    written. In fp32 that copy is the master; with bf16 compute it is the parameter shard's, made by the step
+    without reading the file."""
     recorder = MoveCounter()
-    cfg = config("mlp", offload_param="nvme", offload_optimizer="nvme", dtype="fp32", clip=1.0,
+    cfg = config("mlp", offload_param="nvme", offload_optimizer="nvme", dtype=dtype, clip=1.0,
                  nvme_path=str(disk_dir))  # fmt: skip
     tiers = TierStore(str(disk_dir), AioConfig(), TierBudgets(), recorder=recorder)
     store = ShardStore(tiers, placement_of(cfg, 1), CommGroup(0, 1))
     flat, _ = _add(store)
-    assert store.placement.master_is_param and not store.placement.step_in_backward
-    store.accumulate_grad(flat, torch.randn(flat.shard_numel), final=True)
+    assert store.placement.master_is_param == (dtype == "fp32") and not store.placement.step_in_backward
+    store.accumulate_grad(flat, torch.randn(flat.shard_numel).to(store.placement.grad_dtype), final=True)
     store.finish_grad_writes()
-    lent = store.lend(flat, with_grad=True)
-    _native_step(lent, fused=False)
-    new_master = lent.master.clone()
-    store.give_back(lent, param_written=False, gather_next=gather_next).finish()
+    read_before_step = recorder.bytes.get("nvme->host", 0)
+    lent = store.lend(flat, with_grad=True, gather_next=gather_next)
+    _native_step(lent, fused=fused)
+    new_weights = lent.master.to(DTYPES[dtype])
+    store.give_back(lent, param_written=fused, gather_next=gather_next).finish()
+    state_bytes = flat.shard_numel * (4 + 8 + store.placement.grad_dtype.itemsize)  # master, moments, gradient
+    assert recorder.bytes.get("nvme->host", 0) - read_before_step == state_bytes  # no read of the 16-bit shard
     read_before = recorder.bytes.get("nvme->host", 0)
     fetched = store.fetch_param(flat).wait()
-    assert torch.equal(fetched, new_master)
+    assert torch.equal(fetched, new_weights)
     store.release_param(flat)
-    assert recorder.bytes.get("nvme->host", 0) - read_before == (0 if gather_next else flat.shard_numel * 4)
+    param_bytes = flat.shard_numel * DTYPES[dtype].itemsize
+    assert recorder.bytes.get("nvme->host", 0) - read_before == (0 if gather_next else param_bytes)
     assert store.tiers.live_bytes(Tier.HOST) == 0  # the gather's release drops the copy either way
+    assert torch.equal(_read_from_home(store, flat, ShardKind.PARAM), new_weights)  # and the file has them
     store.close()
 
 

@@ -373,3 +373,37 @@ def test_mixed_concurrent_moves_keep_every_key_whole_and_every_budget(disk_dir: 
         stats = store.stats()
         for tier, limit in budgets.items():
             assert stats[tier.split("_")[0]]["high_water_bytes"] <= limit
+
+
+def test_a_copy_fetched_to_overwrite_reads_nothing_and_once_written_in_place_is_the_cached_copy(disk_dir: Path):
+    recorder = ListRecorder()
+    with _store(disk_dir, recorder) as store:
+        old, new = _shard(70_000, torch.bfloat16), _shard(70_000, torch.bfloat16)
+        store.put("w", old, "nvme").wait()
+        recorder.clear()
+        blank = store.fetch_to_overwrite("w", "host")
+        assert recorder.events == []  # nothing read from the file
+        blank.copy_(new)
+        store.write("w", blank).wait()
+        store.release("w", "host", keep=True)
+        assert [(e.src, e.dst) for e in recorder.events] == [("host", "nvme")]
+        recorder.clear()
+        got = store.fetch("w", "host").wait()  # the written copy, not a read of the file
+        assert got.data_ptr() == blank.data_ptr() and torch.equal(got, new) and recorder.events == []
+        store.release("w", "host")
+        store.evict("w")
+        assert torch.equal(store.fetch("w", "host").wait(), new)  # and the file holds the same bytes
+        assert [(e.src, e.dst) for e in recorder.events] == [("nvme", "host")]
+        store.release("w", "host")
+
+
+def test_a_copy_fetched_to_overwrite_shares_a_copy_already_there_once_loaded(disk_dir: Path):
+    with _store(disk_dir) as store:
+        old = _shard(70_000, torch.float32)
+        store.put("w", old, "nvme").wait()
+        assert store.prefetch(["w"], "host") == ["w"]  # a read in flight
+        shared = store.fetch_to_overwrite("w", "host")
+        assert torch.equal(shared, old)  # loaded before it was handed over: no read lands on new bytes later
+        assert shared.data_ptr() == store.fetch("w", "host").wait().data_ptr()
+        store.release("w", "host")
+        store.release("w", "host")

@@ -227,7 +227,7 @@ class NativeStepper:
     ) -> None:
         block = flat.name.split("#", 1)[0]
         start = time.perf_counter_ns()
-        lent = self.shards.lend(flat, with_grad=grad is None)
+        lent = self.shards.lend(flat, with_grad=grad is None, gather_next=gather_next)
         fetched = time.perf_counter_ns()
         # Spans only in the optimizer phase: in forward and backward a step runs inside the scheduler's
         # hooks, whose compute and stall spans already cover it (spans of a kind must not overlap).

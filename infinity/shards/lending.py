@@ -85,9 +85,10 @@ class OptimizerLending:
             kinds = (*OPTIM_KINDS, ShardKind.GRAD) if with_grad else OPTIM_KINDS
             self.tiers.prefetch([self.key(f, k) for f in flats for k in kinds], Tier.HOST)
 
-    def lend(self, flat: FlatParam, with_grad: bool) -> LentShard:
+    def lend(self, flat: FlatParam, with_grad: bool, gather_next: bool = False) -> LentShard:
         """`flat`'s master, moments (and gradient sum) for one in-place step: the home buffers in memory, or
-        host copies read from NVMe (waiting for them); give them back with `give_back`."""
+        host copies read from NVMe (waiting for them); give them back with `give_back`. `gather_next`: as
+        `give_back`'s; the new 16-bit weights of an NVMe parameter shard then go into its host copy."""
         self.settle(flat)
         if with_grad:
             self._land_grads()
@@ -115,9 +116,19 @@ class OptimizerLending:
             # stepped on the host into a pinned buffer, then copied up to the parameter shard (`give_back`)
             lent.staged_out = self.crossing.buffer(flat.shard_numel, self.placement.compute_dtype)
             lent.param_out = lent.staged_out.host
+        elif gather_next and self._param_copy_kept(master):
+            # the gather reads the new weights from this copy, not back from NVMe; the step overwrites it whole
+            key = self.key(flat, ShardKind.PARAM)
+            lent.param_out = self.tiers.fetch_to_overwrite(key, Tier.HOST)
+            fetched.append(key)
         else:
             lent.param_out = self._param_out(flat, master)
         return lent
+
+    def _param_copy_kept(self, master: torch.Tensor) -> bool:
+        """A separate parameter shard on NVMe, stepped in host memory: its host copy can stay cached."""
+        p = self.placement
+        return p.param_home is Tier.NVME and not p.master_is_param and master.device.type == "cpu"
 
     def _param_out(self, flat: FlatParam, master: torch.Tensor) -> torch.Tensor | None:
         p = self.placement
@@ -133,9 +144,10 @@ class OptimizerLending:
         """The step on `lent` is done (`param_written`: it also wrote `param_out`): the new weights go to the
         parameter shard, NVMe state is written home; `finish()` the result before reusing the memory.
 
-        `gather_next`: the next forward's gather reads this shard next (a step deferred until then). Where
-        the master is the parameter shard, its host copy then stays cached once written, so that the
-        gather reads the new weights from memory, not back from NVMe."""
+        `gather_next`: the next forward's gather reads this shard next (a step deferred until then). The
+        parameter shard's host copy (the master itself in fp32; the copy `lend` gave as `param_out` with
+        16-bit compute) then stays cached once written, so that the gather reads the new weights from
+        memory, not back from NVMe."""
         flat, p = lent.flat, self.placement
         writes: list[MoveHandle] = []
         if p.optim_home is Tier.NVME:
@@ -155,5 +167,5 @@ class OptimizerLending:
                 writes.append(self.tiers.write(param_key, out))
         if p.param_home is not Tier.NVME:
             self.tiers.evict(param_key)  # copies above the home are stale
-        keep_for_gather = gather_next and p.master_is_param and param_key in lent.fetched
+        keep_for_gather = gather_next and param_key in lent.fetched
         return Returned(self, lent, writes, frozenset((param_key,)) if keep_for_gather else frozenset())

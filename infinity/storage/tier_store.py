@@ -169,6 +169,25 @@ class TierStore(TierMover):
         with self._lock:  # a later write sees this reference and refuses; an earlier one is waited for
             return FetchHandle(shard, copy, shard.write_op if copy.home else None)
 
+    def fetch_to_overwrite(self, key: Hashable, tier: Tier | str) -> torch.Tensor:
+        """A held copy of `key` on `tier` that the caller overwrites whole and then `write`s in place (which
+        keeps it as the cached copy). Made without reading the home when no copy is there; a copy that is
+        there is shared once loaded. Release it as a fetch; until the write, its bytes are garbage."""
+        tier = self._target(tier)
+        with self._lock:
+            self._check_open()
+            shard = self._get(key)
+            there = tier in shard.copies
+        if not there:
+            buf = self._alloc(tier, shard.nbytes, wait=True, holder=holder_of(key))
+            with self._lock:
+                if shard.copies.get(tier) is None and self._shards.get(key) is shard:
+                    copy = shard.copies[tier] = Copy(tier, buf, refs=1)
+                    copy.ready.set()
+                    return shard.view(copy)
+                self._release(tier, buf)  # another thread made the copy, or the key was dropped
+        return self.fetch(key, tier).wait()
+
     def release(self, key: Hashable, tier: Tier | str, keep: bool = False) -> None:
         """The caller is done with one fetched copy: it stays cached until memory is needed. With `keep`
         (someone reads it again soon) it is kept from eviction as a prefetched copy is."""
