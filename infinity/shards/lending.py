@@ -119,7 +119,12 @@ class OptimizerLending:
         elif gather_next and self._param_copy_kept(master):
             # the gather reads the new weights from this copy, not back from NVMe; the step overwrites it whole
             key = self.key(flat, ShardKind.PARAM)
-            lent.param_out = self.tiers.fetch_to_overwrite(key, Tier.HOST)
+            try:
+                lent.param_out = self.tiers.fetch_to_overwrite(key, Tier.HOST)
+            except BaseException:
+                for held in fetched:
+                    self.tiers.release(held, Tier.HOST)
+                raise
             fetched.append(key)
         else:
             lent.param_out = self._param_out(flat, master)
