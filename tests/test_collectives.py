@@ -68,3 +68,18 @@ def test_all_gather_in_a_subgroup_maps_group_ranks_to_global_ranks():
     results = run_distributed(_subgroup_gather, 3, timeout_s=60)
     assert results[0] is None
     assert results[1] == results[2] == _expected([1, 2]).tolist()
+
+
+def _mismatched_gather() -> str:
+    comm = CommGroup(dist.get_rank(), 2, dist.group.WORLD)
+    try:
+        comm.all_gather(torch.empty(2 * SHARD + 1), _shard_of(dist.get_rank()), "a gather into the wrong size")
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_output_of_the_wrong_size_is_refused_on_every_rank_naming_the_gather():
+    for rank, message in enumerate(run_distributed(_mismatched_gather, 2, timeout_s=60)):
+        assert message.startswith(f"rank {rank}/2: all-gather of a gather into the wrong size: the output holds 11")
+        assert "not 2 x 5" in message

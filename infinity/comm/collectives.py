@@ -89,6 +89,11 @@ class CommGroup:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """Fill `full` (world_size x shard.numel()) with every rank's shard, in rank order."""
         self._check_device("all-gather", what, output=full, input=shard)
+        if full.numel() != shard.numel() * self.world_size:
+            raise ValueError(
+                f"rank {self.rank}/{self.world_size}: all-gather of {what}: the output holds {full.numel()} "
+                f"elements, not {self.world_size} x {shard.numel()} (world size x shard)"
+            )
         if not self.distributed:
             full.copy_(shard)
             return None
@@ -104,7 +109,7 @@ class CommGroup:
     def _all_gather_by_broadcasts(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
         """Gloo's all-gather receives into a fresh buffer of the full size and then copies it into `full`
         (page faults and a copy per gather, on the cores that compute); a broadcast from each rank writes
-        its slot of `full` in place, and the bytes on the wire are the same."""
+        its slot of `full` in place, and each rank still receives every other rank's shard once."""
         n = shard.numel()
         mine = full.narrow(0, self.rank * n, n)
         if mine.data_ptr() != shard.data_ptr():
