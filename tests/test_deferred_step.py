@@ -52,11 +52,10 @@ def test_deferred_clipped_steps_match_plain_pytorch(tmp_path, world, offload_par
     )
     assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
     assert_weights_close(results[0]["state"], ref_state, dtype)
-    # the steps did run in the following forwards (the last one when the weights were read); one rank whose
-    # parameters live in memory keeps them resident (never gathered): it steps after backward
-    deferred = not (world == 1 and offload_param == "none")
+    # the steps did run in the following forwards (the last one when the weights were read), resident
+    # parameters (one rank, offload_param none) just before their block's forward
     for r in results:
-        assert (r["stepped_when_needed"] > 0) == deferred and r["stepped_in_backward"] == 0
+        assert r["stepped_when_needed"] > 0 and r["stepped_in_backward"] == 0
 
 
 def test_reading_weights_or_saving_right_after_a_step_settles_what_is_owed(tmp_path):
@@ -115,3 +114,24 @@ def test_a_deferred_step_uses_the_learning_rate_of_its_own_step(tmp_path):
         ref_losses.append(loss.item())
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(state, {k: v.detach() for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resident_parameters_of_one_rank_step_before_their_block_and_wait_for_weights_settles_them(tmp_path, stage):
+    """One rank with its parameters in memory (never gathered) and the optimizer on NVMe: the clipped step is
+    owed until the next forward reaches each block; `wait_for_weights()` settles it, so iterating
+    `model.parameters()` then sees plain PyTorch's clipped weights."""
+    cfg = _config("none", "fp32", 1, str(tmp_path))
+    cfg["zero_optimization"]["stage"] = stage
+    model = make_model("gpt")
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    losses = train_steps(engine, batches("gpt", MICRO_BS), STEPS)
+    shards = len(engine.shards.records)
+    assert engine.optimizer.stepped_when_needed == (STEPS - 1) * shards  # the last step is still owed
+    engine.wait_for_weights()
+    assert engine.optimizer.stepped_when_needed == STEPS * shards
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine.close()
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_weights_close(state, {k: ref_state[k] for k in state})

@@ -201,20 +201,22 @@ def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path
 
 
 @pytest.mark.parametrize(
-    "zero,world,says",
+    "zero,world,cuda,says",
     [
-        ({"stage": 3, "offload_param": {"device": "nvme"}}, 1, "the trace is from an older version"),
-        ({"stage": 3, "offload_param": {"device": "none"}}, 2, "the trace is from an older version"),
-        ({"stage": 2, "offload_param": {"device": "none"}}, 2, "offload_param.device nvme at stage 3"),
-        ({"stage": 3, "offload_param": {"device": "none"}}, 1, "offload_param.device nvme at stage 3"),
-        ({"stage": 3, "offload_param": {"device": "cpu"}}, 1, "offload_param.device nvme at stage 3"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, 1, False, "the trace is from an older version"),
+        ({"stage": 3, "offload_param": {"device": "none"}}, 2, False, "the trace is from an older version"),
+        ({"stage": 3, "offload_param": {"device": "none"}}, 1, False, "the trace is from an older version"),
+        ({"stage": 2, "offload_param": {"device": "none"}}, 1, False, "the trace is from an older version"),
+        ({"stage": 2, "offload_param": {"device": "none"}}, 2, False, "offload_param.device nvme at stage 3"),
+        ({"stage": 3, "offload_param": {"device": "none"}}, 1, True, "offload_param.device nvme at stage 3"),
     ],
 )
-def test_clipping_names_the_overlap_infinity_has_where_parameters_are_gathered(zero, world, says) -> None:
+def test_clipping_names_the_overlap_infinity_has_where_parameters_are_gathered(zero, world, cuda, says) -> None:
     """Under clipping the step overlaps the next forward where parameters are gathered (stage 3, offloaded
-    or on several ranks); resident parameters are never gathered, so the remedy names the setting."""
+    or on several ranks) or one rank computes on the host from resident parameters; resident parameters on
+    a GPU, or shared between ranks at stages 1-2, are not, so the remedy names the setting."""
     zero = {**zero, "offload_optimizer": {"device": "nvme"}}
-    facts = RunFacts({"gradient_clipping": 1.0, "zero_optimization": zero}, world, None, False, True)
+    facts = RunFacts({"gradient_clipping": 1.0, "zero_optimization": zero}, world, None, cuda, True)
     cause, remedy = _optimizer_cause(facts)
     assert "gradient_clipping is 1.0" in cause and remedy.startswith(OVERLAP_FEATURE) and says in remedy
     assert "gradient_clipping 0" in remedy

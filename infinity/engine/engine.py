@@ -301,9 +301,12 @@ class InfinityEngine(EngineStateIO):
         return self.scheduler.stall_s
 
     def wait_for_weights(self) -> None:
-        """Stages 1-2: return once the module holds the last step's weights everywhere (they arrive in the
-        background after `step()`; forward, state_dict() and the engine's methods wait by themselves)."""
+        """Return once the module holds the last step's weights everywhere: stages 1-2 share them in the
+        background after `step()`, and a step deferred past the backward (the NVMe optimizer with clipping)
+        runs as the next forward reaches each block; forward, state_dict() and the engine's methods wait by
+        themselves."""
         self.sharing.wait_all()
+        self.shards.settle_all()
 
     def close(self) -> None:
         """Release the engine's storage (the NVMe swap files are removed); call once training is done."""

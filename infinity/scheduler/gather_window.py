@@ -142,7 +142,8 @@ class GatherWindow:
 
     def _settle_resident(self, block: ShardedBlock, stall: bool = True) -> None:
         """Resident weights may still be arriving (stages 1-2 share the updated partitions behind the
-        forward): wait for the block's, as a stall on the all-gather when compute waits for them."""
+        forward; one rank steps them just before they are used): wait for the block's, as a stall on the
+        all-gather, or on the step's state reads, when compute waits for them."""
         owed = [f for f in block.flats if self.source.owes(f)]
         if not owed:
             return
@@ -152,7 +153,7 @@ class GatherWindow:
         if stall:
             end = time.perf_counter_ns()
             self.stall_s += (end - start) / 1e9
-            self.prof.stall(block.name, start, end, "all-gather")
+            self.prof.stall(block.name, start, end, "all-gather" if self.collectives else "nvme->host")
 
     def _prefetch(self, upcoming: list[int], current: int) -> None:
         """Gather the next blocks within the bucket; read the blocks beyond it ahead into host memory.

@@ -42,9 +42,9 @@ class StepTiming(enum.Enum):
 
     AFTER_BACKWARD = "after-backward"  # all shards, once backward and the global norm are done
     DURING_BACKWARD = "during-backward"  # each shard as its final gradient arrives (nothing global to wait for)
-    BEFORE_NEXT_GATHER = "before-next-gather"  # each shard just before the next forward gathers it, its I/O
-    # overlapping that forward: the step needs the global norm (clipping, fp16) or hyper-parameters set
-    # at step time (a client optimizer), so it cannot run during backward
+    BEFORE_NEXT_GATHER = "before-next-gather"  # each shard just before the next forward gathers it (or, resident,
+    # runs its block), its I/O overlapping that forward: the step needs the global norm (clipping, fp16) or
+    # hyper-parameters set at step time (a client optimizer), so it cannot run during backward
 
 
 class MallocTuning(enum.Enum):
@@ -151,12 +151,14 @@ def resolve_placement(
     # The native stepper moves state over a link slower than the compute (NVMe; host memory under a GPU):
     # its shards are stepped where that traffic overlaps compute. With nothing global to wait for (a
     # clipping norm, an overflow check, a client optimizer's hyper-parameters set at step time), during
-    # backward; otherwise just before the next forward gathers each shard (not with resident parameters:
-    # they are never gathered).
+    # backward; otherwise just before the next forward gathers each shard. Resident parameters are never
+    # gathered: their block's pre-forward settles the step instead, where the host computes from them (the
+    # step writes them in place) and no other update is owed to them (stages 1-2 share partitions then).
     overlap = stepper is StepperKind.NATIVE and (optim_home is Tier.NVME or compute_device.type == "cuda")
+    settle_resident = resident and host_is_compute and world_size == 1
     if overlap and not needs_norm and not client_optimizer:
         step_timing = StepTiming.DURING_BACKWARD
-    elif overlap and not resident:
+    elif overlap and (not resident or settle_resident):
         step_timing = StepTiming.BEFORE_NEXT_GATHER
     malloc = MallocTuning.NONE
     if compute_device.type == "cpu" and Tier.NVME in (param_home, optim_home):
