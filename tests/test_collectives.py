@@ -83,3 +83,56 @@ def test_an_output_of_the_wrong_size_is_refused_on_every_rank_naming_the_gather(
     for rank, message in enumerate(run_distributed(_mismatched_gather, 2, timeout_s=60)):
         assert message.startswith(f"rank {rank}/2: all-gather of a gather into the wrong size: the output holds 11")
         assert "not 2 x 5" in message
+
+
+def _full_of(rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s input to a reduce-scatter: distinct values per rank and slot, exact in fp32 sums."""
+    return torch.arange(world * SHARD, dtype=torch.float32) * (rank + 1) + 1000.0 * rank
+
+
+def _background_reduce_scatters(world: int) -> list[str]:
+    """Two reductions in flight at once (as backward issues them), waited for in order; and one whose peers'
+    slices all arrived before the wait (is_completed) must still be summed once, not twice."""
+    rank = dist.get_rank()
+    comm = CommGroup(rank, world, dist.group.WORLD)
+    expected = sum(_full_of(r, world) for r in range(world)).narrow(0, rank * SHARD, SHARD)
+    failures = []
+    fulls = [_full_of(rank, world), _full_of(rank, world) * 2]
+    pending = [comm.reduce_scatter_in_background(full, f"gradients {i}") for i, full in enumerate(fulls)]
+    for i, (shard, work) in enumerate(pending):
+        work.wait()
+        work.wait()
+        if not torch.equal(shard, expected * (i + 1)):
+            failures.append(f"reduction {i}: {shard.tolist()} != {(expected * (i + 1)).tolist()}")
+        if shard.data_ptr() != fulls[i].narrow(0, rank * SHARD, SHARD).data_ptr():
+            failures.append(f"reduction {i}: the shard is not this rank's slice of its input")
+    shard, work = comm.reduce_scatter_in_background(_full_of(rank, world), "gradients polled")
+    while not work.is_completed():
+        pass
+    work.wait()
+    if not torch.equal(shard, expected):
+        failures.append(f"polled: {shard.tolist()}")
+    return failures
+
+
+def test_reduce_scatter_in_background_sums_each_slice_on_its_rank_on_two_and_three_ranks():
+    for world in (2, 3):
+        assert run_distributed(_background_reduce_scatters, world, world, timeout_s=60) == [[]] * world
+
+
+def _subgroup_reduce_scatter() -> list[float] | None:
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    comm = CommGroup(dist.get_rank(group), 2, group)
+    shard, work = comm.reduce_scatter_in_background(_full_of(rank, 2), "a subgroup's gradients")
+    work.wait()
+    return shard.tolist()
+
+
+def test_reduce_scatter_in_a_subgroup_sends_to_global_ranks():
+    results = run_distributed(_subgroup_reduce_scatter, 3, timeout_s=60)
+    total = _full_of(1, 2) + _full_of(2, 2)
+    assert results[0] is None
+    assert results[1] == total[:SHARD].tolist() and results[2] == total[SHARD:].tolist()

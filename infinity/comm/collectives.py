@@ -8,6 +8,7 @@ rank too, so a tensor on the wrong side of the bus is an error naming it on a CP
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,41 @@ class _AllWorks:
     def wait(self) -> None:
         for work in self._works:
             work.wait()
+
+
+class _SummedOnWait:
+    """Point-to-point sends and receives of a reduce-scatter. Gloo's point-to-point work reports completion
+    only once waited for, and may be waited for only once: a thread waits for them in the background, so
+    that `is_completed()` can be polled; `wait()` then adds what was received into this rank's slice (once)."""
+
+    def __init__(self, works: list, mine: torch.Tensor, received: list[torch.Tensor], fail) -> None:
+        self._mine = mine
+        self._received = received
+        self._fail = fail
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        waiter = threading.Thread(target=self._wait_all, args=(works,), name="infinity-reduce-scatter", daemon=True)
+        waiter.start()
+
+    def _wait_all(self, works: list) -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as exc:  # re-raised by wait(), in the caller's thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._fail(self._error) from self._error
+        for buffer in self._received:
+            self._mine.add_(buffer)
+        self._received = []
 
 
 @dataclass(frozen=True)
@@ -138,15 +174,33 @@ class CommGroup:
 
     def reduce_scatter_in_background(self, full: torch.Tensor, what: str) -> tuple[torch.Tensor, object]:
         """Start summing `full` over ranks without waiting; (this rank's slice of the sum once the work
-        handle is waited for, the handle). NCCL reduce-scatters into a new shard; Gloo's reduce-scatter does
-        not progress until it is waited for, so there the whole buffer is all-reduced (Gloo runs that in the
-        background) and the slice is a view of it."""
+        handle is waited for, the handle). NCCL reduce-scatters into a new shard. Gloo's reduce-scatter does
+        not progress until it is waited for: there each rank sends every peer that peer's slice (point to
+        point, carried by Gloo's transport threads while backward goes on) and, when waited for, adds what it
+        received into its own slice of `full`, which the shard is a view of: a reduce-scatter's bytes, half
+        those of the all-reduce that would also run in the background."""
         shard_numel = full.numel() // self.world_size
-        start = self.rank * shard_numel
         if self.distributed and dist.get_backend(self.group) == "gloo":
-            return full[start : start + shard_numel], self.all_reduce(full, what, async_op=True)
+            try:
+                return self._reduce_scatter_by_sends(full, shard_numel, what)
+            except Exception as exc:
+                raise self._fail("reduce-scatter", what, exc) from exc
         shard = torch.empty(shard_numel, dtype=full.dtype, device=full.device)
         return shard, self.reduce_scatter_sum(shard, full, what, async_op=True)
+
+    def _reduce_scatter_by_sends(self, full: torch.Tensor, n: int, what: str) -> tuple[torch.Tensor, _SummedOnWait]:
+        if full.numel() != n * self.world_size:
+            raise ValueError(f"the input holds {full.numel()} elements, not a multiple of {self.world_size} ranks")
+        works, received = [], []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            works.append(dist.isend(full.narrow(0, peer * n, n), dst=self._global_rank(peer), group=self.group))
+            buffer = torch.empty(n, dtype=full.dtype, device=full.device)
+            works.append(dist.irecv(buffer, src=self._global_rank(peer), group=self.group))
+            received.append(buffer)
+        mine = full.narrow(0, self.rank * n, n)
+        return mine, _SummedOnWait(works, mine, received, lambda exc: self._fail("reduce-scatter", what, exc))
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False):
         """In-place all-reduce with `op` in {'sum', 'max'}; returns `tensor`, or with `async_op` a work handle
