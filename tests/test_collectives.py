@@ -136,3 +136,17 @@ def test_reduce_scatter_in_a_subgroup_sends_to_global_ranks():
     total = _full_of(1, 2) + _full_of(2, 2)
     assert results[0] is None
     assert results[1] == total[:SHARD].tolist() and results[2] == total[SHARD:].tolist()
+
+
+def _uneven_reduce_scatter() -> str:
+    comm = CommGroup(dist.get_rank(), 2, dist.group.WORLD)
+    try:
+        comm.reduce_scatter_in_background(torch.ones(2 * SHARD + 1), "gradients of an uneven flat")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_reduce_scatter_input_that_does_not_split_evenly_is_refused_naming_it():
+    for rank, message in enumerate(run_distributed(_uneven_reduce_scatter, 2, timeout_s=60)):
+        assert message.startswith(f"rank {rank}/2: reduce-scatter of gradients of an uneven flat: the input holds 11")

@@ -179,7 +179,13 @@ class CommGroup:
         point, carried by Gloo's transport threads while backward goes on) and, when waited for, adds what it
         received into its own slice of `full`, which the shard is a view of: a reduce-scatter's bytes, half
         those of the all-reduce that would also run in the background."""
+        self._check_device("reduce-scatter", what, input=full)
         shard_numel = full.numel() // self.world_size
+        if full.numel() != shard_numel * self.world_size:
+            raise ValueError(
+                f"rank {self.rank}/{self.world_size}: reduce-scatter of {what}: the input holds {full.numel()} "
+                f"elements, not a multiple of the world size"
+            )
         if self.distributed and dist.get_backend(self.group) == "gloo":
             try:
                 return self._reduce_scatter_by_sends(full, shard_numel, what)
@@ -189,8 +195,6 @@ class CommGroup:
         return shard, self.reduce_scatter_sum(shard, full, what, async_op=True)
 
     def _reduce_scatter_by_sends(self, full: torch.Tensor, n: int, what: str) -> tuple[torch.Tensor, _SummedOnWait]:
-        if full.numel() != n * self.world_size:
-            raise ValueError(f"the input holds {full.numel()} elements, not a multiple of {self.world_size} ranks")
         works, received = [], []
         for peer in range(self.world_size):
             if peer == self.rank:
