@@ -209,12 +209,14 @@ def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path
         ({"stage": 2, "offload_param": {"device": "none"}}, 1, False, "the trace is from an older version"),
         ({"stage": 2, "offload_param": {"device": "none"}}, 2, False, "offload_param.device nvme at stage 3"),
         ({"stage": 3, "offload_param": {"device": "none"}}, 1, True, "offload_param.device nvme at stage 3"),
+        ({"stage": 3, "device_budget_bytes": 2**30}, 1, False, "offload_param.device nvme at stage 3"),
     ],
 )
 def test_clipping_names_the_overlap_infinity_has_where_parameters_are_gathered(zero, world, cuda, says) -> None:
     """Under clipping the step overlaps the next forward where parameters are gathered (stage 3, offloaded
     or on several ranks) or one rank computes on the host from resident parameters; resident parameters on
-    a GPU, or shared between ranks at stages 1-2, are not, so the remedy names the setting."""
+    a GPU (or on a CPU given a device budget of its own), or shared between ranks at stages 1-2, are not, so
+    the remedy names the setting."""
     zero = {**zero, "offload_optimizer": {"device": "nvme"}}
     facts = RunFacts({"gradient_clipping": 1.0, "zero_optimization": zero}, world, None, cuda, True)
     cause, remedy = _optimizer_cause(facts)

@@ -127,10 +127,12 @@ def _optimizer_cause(facts: RunFacts) -> tuple[str, str]:
         zero = facts.config.get("zero_optimization") or {}
         param_device = (zero.get("offload_param") or {}).get("device", "none")
         # parameters are gathered (not resident) at stage 3 unless one rank computes where they live; one rank
-        # computing on the host steps its resident parameters just before their block's next forward
+        # computing from host memory (no device budget set apart) steps its resident parameters just before
+        # their block's next forward
         apart = param_device == "nvme" or (param_device == "cpu" and facts.cuda)
         gathered = zero.get("stage", 3) == 3 and (apart or facts.world_size > 1)
-        if gathered or (facts.world_size == 1 and not facts.cuda):
+        host_compute = not facts.cuda and zero.get("device_budget_bytes") is None
+        if gathered or (facts.world_size == 1 and host_compute):
             return cause, (
                 f"{OVERLAP_FEATURE}, which infinity now does for this config (each shard steps just before the next "
                 "forward uses it): the trace is from an older version; or gradient_clipping 0, which changes "
