@@ -60,7 +60,8 @@ def test_gpt_with_nvme_matches_plain_pytorch(tmp_path, world, offload_param, off
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_gradients_waiting_on_nvme_for_the_clipped_step_are_stored_in_bf16(tmp_path, world):
     """One micro-batch reduced in bf16: the gradient the clipped step waits for is written as computed (two
-    bytes an element, not four), and training still matches plain PyTorch."""
+    bytes an element, not four), and training still matches plain PyTorch. (Under a host budget: without
+    one it waits in host memory.)"""
     cfg = config(
         micro_bs=MICRO_BS,
         persistence=64,
@@ -69,6 +70,7 @@ def test_bf16_gradients_waiting_on_nvme_for_the_clipped_step_are_stored_in_bf16(
         dtype="bf16",
         clip=1.0,
         nvme_path=str(tmp_path),
+        extra_zero={"host_budget_bytes": 256 << 20},
     )
     results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
     assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, dtype="bf16")

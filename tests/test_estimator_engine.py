@@ -37,7 +37,7 @@ MICRO_BS = 2
 TIER_OF = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
 
-def _config(stage, param, optim, dtype, moments, clip, accum, nvme_path, persistence=64) -> dict:
+def _config(stage, param, optim, dtype, moments, clip, accum, nvme_path, persistence=64, host_budget=None) -> dict:
     cfg = config(
         micro_bs=MICRO_BS,
         grad_accum=accum,
@@ -47,22 +47,27 @@ def _config(stage, param, optim, dtype, moments, clip, accum, nvme_path, persist
         offload_optimizer=optim,
         nvme_path=nvme_path,
         persistence=persistence,
-        extra_zero={"stage": stage},
+        extra_zero={"stage": stage, "host_budget_bytes": host_budget},
     )
     if moments != "fp32":
         cfg["zero_optimization"]["offload_optimizer"]["moments"] = moments
     return cfg
 
 
-def _engine_homes(model, cfg: dict, world: int) -> dict[str, int]:
-    """`home_bytes` as the engine computes it at start, for the engine's own plan of `model` (unsharded)."""
+def _engine_homes(model, cfg: dict, world: int) -> dict[bool, dict[str, int]]:
+    """`home_bytes` as the engine computes it at start, for the engine's own plan of `model` (unsharded), with
+    the gradients that wait for an NVMe step on NVMe (False) and held in host memory (True)."""
     c = resolved(cfg, world, model.config.n_embd)
     z = c.zero_optimization
     plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
     groups = plan_groups(model, c.optimizer, None, None)
     placement = resolve_placement(c, compute_device(), world, client_optimizer=False)
-    homes = home_bytes(plan, groups.group_of, placement, c.gradient_accumulation_steps, z.sub_group_size)
-    return {name: homes[tier] for name, tier in TIER_OF.items()}
+    layout = (plan, groups.group_of, placement, c.gradient_accumulation_steps, z.sub_group_size)
+    out = {}
+    for in_host in (False, True):
+        homes = home_bytes(*layout, grads_in_host=in_host)
+        out[in_host] = {name: homes[tier] for name, tier in TIER_OF.items()}
+    return out
 
 
 def measure_on_rank(cfg: dict, model_overrides: dict, steps: int) -> dict:
@@ -82,7 +87,8 @@ def measure_on_rank(cfg: dict, model_overrides: dict, steps: int) -> dict:
     out = {
         "device_is_host": compute_device().type == "cpu",
         "size": size,
-        "homes": homes,
+        "homes": homes[engine.grads_in_host],
+        "grads_in_host": engine.grads_in_host,
         "nvme_planned": engine.nvme_bytes_planned,
         "nvme_high_water": engine.tiers.high_water_bytes(Tier.NVME),
         "live": {name: engine.tiers.live_bytes(tier) for name, tier in TIER_OF.items()},
@@ -108,11 +114,23 @@ CASES = [  # world, stage, offload_param, offload_optimizer, dtype, moments, cli
 ]
 
 
-@pytest.mark.parametrize("world,stage,param,optim,dtype,moments,clip,accum", CASES)
-def test_estimate_is_the_engines_layout_per_rank(tmp_path, world, stage, param, optim, dtype, moments, clip, accum):
+# under a host budget the gradients that wait for the step wait on NVMe; without one, in host memory
+BUDGET = 256 << 20
+BUDGET_CASES = [
+    (1, 3, "nvme", "nvme", "fp32", "fp32", 1.0, 1, BUDGET),
+    (2, 3, "nvme", "nvme", "bf16", "8bit", 1.0, 1, BUDGET),
+]
+
+
+@pytest.mark.parametrize(
+    "world,stage,param,optim,dtype,moments,clip,accum,budget", [(*c, None) for c in CASES] + BUDGET_CASES
+)
+def test_estimate_is_the_engines_layout_per_rank(
+    tmp_path, world, stage, param, optim, dtype, moments, clip, accum, budget
+):
     if world > 1 and torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"{world} ranks need {world} CUDA devices")
-    cfg = _config(stage, param, optim, dtype, moments, clip, accum, str(tmp_path))
+    cfg = _config(stage, param, optim, dtype, moments, clip, accum, str(tmp_path), host_budget=budget)
     if world == 1:
         results = [measure_on_rank(cfg, {}, steps=2)]
     else:
@@ -121,6 +139,8 @@ def test_estimate_is_the_engines_layout_per_rank(tmp_path, world, stage, param, 
     for r in results:
         choice = dict(stage=stage, moments=moments, clip=clip > 0, accumulation=accum)
         choice["device_is_host"] = r["device_is_host"]  # a CPU-only machine: device and host memory are one
+        assert r["grads_in_host"] == (optim == "nvme" and (clip > 0 or accum > 1) and budget is None)
+        choice["grads_in_host"] = r["grads_in_host"]
         need = estimate(r["size"], param, optim, gpus_per_node=1, nodes=world, dtype_bytes=dtype_bytes, **choice)
         homes = home_bytes_per_rank(r["size"], param, optim, world, dtype_bytes, **choice)
         assert homes == r["homes"]
@@ -140,6 +160,7 @@ def test_a_bare_parameter_count_is_within_one_percent_where_padding_is_small(tmp
         cfg = _config(3, "nvme", "nvme", "fp32", moments, clip, 1, str(tmp_path), persistence=0)
         r = measure_on_rank(cfg, overrides, steps=1)
         bare = ModelSize(r["size"].total_params, r["size"].largest_block_params)
-        need = estimate(bare, "nvme", "nvme", dtype_bytes=4, moments=moments, clip=clip > 0)
+        in_host = r["grads_in_host"]
+        need = estimate(bare, "nvme", "nvme", dtype_bytes=4, moments=moments, clip=clip > 0, grads_in_host=in_host)
         assert r["nvme_planned"] == r["nvme_high_water"]
         assert need.nvme_bytes == pytest.approx(r["nvme_high_water"], rel=0.01)

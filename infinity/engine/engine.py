@@ -23,7 +23,7 @@ from infinity.config import InfinityConfig, load_config, no_effect_notices, reso
 from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.host_memory import huge_pages_notice
 from infinity.engine.inputs import move_inputs
-from infinity.engine.memory_plan import check_host_budget, home_bytes, plan_memory
+from infinity.engine.memory_plan import check_host_budget, grads_wait_in_host, home_bytes, plan_memory
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.partition_sharing import PartitionSharing
 from infinity.engine.setup import (
@@ -93,7 +93,12 @@ class InfinityEngine(EngineStateIO):
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
         memory = plan_memory(z, plan, self.placement, groups.group_of)
-        homes = home_bytes(plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps, z.sub_group_size)
+        layout = (plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps, z.sub_group_size)
+        homes = home_bytes(*layout)
+        waiting_grads = homes[Tier.NVME] - home_bytes(*layout, grads_in_host=True)[Tier.NVME]
+        self.grads_in_host = grads_wait_in_host(z, self.placement, waiting_grads)
+        if self.grads_in_host:
+            homes = home_bytes(*layout, grads_in_host=True)
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
         self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
@@ -105,6 +110,7 @@ class InfinityEngine(EngineStateIO):
             self.comm,
             read_ahead_bytes=memory.param_read_ahead_bytes,
             grad_writes_in_flight=memory.optimizer_window // 2,  # as many as arrivals hold (memory_plan)
+            grad_hold_bytes=waiting_grads if self.grads_in_host else 0,
         )
         self.optimizer = ShardedAdam(
             groups.groups,

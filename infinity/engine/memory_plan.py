@@ -10,9 +10,11 @@ read-ahead what is left, so neither the optimizer's reads nor the parameters' ev
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from infinity.config import ConfigError, ZeroConfig
+from infinity.estimator.machine import available_host_bytes
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import BlockPlan
 from infinity.partition.blocks import flat_groups
@@ -110,16 +112,34 @@ def plan_memory(
     return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
 
 
+def grads_wait_in_host(z: ZeroConfig, placement: Placement, waiting_bytes: int, available: int | None = None) -> bool:
+    """Whether the gradients that wait for their step on an NVMe optimizer (clipping, fp16, accumulation;
+    `waiting_bytes` of them per rank) stay in host memory instead, never touching the disk, as DeepSpeed keeps
+    them: without `host_budget_bytes`, where they fit in a quarter of the host memory `available` at start
+    (MemAvailable), shared by the node's ranks. Under an explicit budget they wait on NVMe: the budget is
+    the streaming's."""
+    if placement.optim_home is not Tier.NVME or z.host_budget_bytes is not None or waiting_bytes == 0:
+        return False
+    available = available_host_bytes() if available is None else available
+    return waiting_bytes <= available // (4 * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def _round_up(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
 def home_bytes(
-    plan: BlockPlan, group_of: dict[int, int], placement: Placement, grad_accumulation: int, sub_group_elems: int
+    plan: BlockPlan,
+    group_of: dict[int, int],
+    placement: Placement,
+    grad_accumulation: int,
+    sub_group_elems: int,
+    grads_in_host: bool = False,
 ) -> dict[Tier, int]:
     """Per tier, the bytes this rank's shards take in their homes, as `shard_model` lays them out (one flat
     per block and param group; host and NVMe slots padded to 4 KiB as the buffer pool and the swap file
-    pad them): what the swap file is sized to, and what an explicit host budget must hold."""
+    pad them): what the swap file is sized to, and what an explicit host budget must hold. `grads_in_host`:
+    gradients that wait for an NVMe optimizer's step are held in host memory (`grads_wait_in_host`)."""
     world, p = placement.world_size, placement
     moments = moment_format(p.moments)
     pad = {Tier.DEVICE: lambda n: n, Tier.HOST: _round_up, Tier.NVME: _round_up}
@@ -137,7 +157,9 @@ def home_bytes(
             if not p.master_is_param:
                 total[home] += round_up(4 * shard)
             total[home] += round_up(moments.state_bytes(shard))
-            if home is not Tier.NVME or nvme_grads:
+            if home is Tier.NVME and nvme_grads and grads_in_host:
+                total[Tier.HOST] += p.grad_dtype.itemsize * shard  # a plain tensor while it waits
+            elif home is not Tier.NVME or nvme_grads:
                 total[home] += round_up(p.grad_dtype.itemsize * shard)
     return total
 

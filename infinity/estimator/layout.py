@@ -55,6 +55,7 @@ class _Choice:
     grads_wait: bool  # the step cannot run as a shard's final gradient arrives: an NVMe accumulator slot
     device_is_host: bool
     grad_bytes: int = 4  # per element of that NVMe slot (`Placement.grad_dtype`)
+    grads_in_host: bool = False  # those gradients wait in host memory instead (`memory_plan.grads_wait_in_host`)
 
     @property
     def resident(self) -> bool:
@@ -90,7 +91,9 @@ def _flat_homes(elems: int, c: _Choice) -> dict[str, int]:
     if not c.master_is_param:
         homes[optim] += _slot(4 * shard, optim)
     homes[optim] += _slot(moment_format(c.moments).state_bytes(shard), optim)
-    if optim != "nvme" or c.grads_wait:
+    if optim == "nvme" and c.grads_wait and c.grads_in_host:
+        homes["cpu"] += c.grad_bytes * shard  # a plain tensor while it waits
+    elif optim != "nvme" or c.grads_wait:
         homes[optim] += _slot((c.grad_bytes if optim == "nvme" else 4) * shard, optim)
     return homes
 
@@ -113,6 +116,7 @@ def _choice(
     clip: bool,
     accumulation: int,
     device_is_host: bool,
+    grads_in_host: bool = False,
 ) -> _Choice:
     """The validated inputs; ValueError naming the argument and the fix, as the config would refuse them."""
     if stage not in (1, 2, 3):
@@ -135,7 +139,16 @@ def _choice(
     # one micro-batch's gradient waits in the compute dtype (communication_data_type at its default)
     grad_bytes = dtype_bytes if accumulation == 1 else 4
     return _Choice(
-        stage, offload_param, offload_optimizer, ranks, dtype_bytes, moments, grads_wait, device_is_host, grad_bytes
+        stage,
+        offload_param,
+        offload_optimizer,
+        ranks,
+        dtype_bytes,
+        moments,
+        grads_wait,
+        device_is_host,
+        grad_bytes,
+        grads_in_host,
     )
 
 
@@ -154,16 +167,19 @@ def estimate(
     clip: bool = True,
     accumulation: int = 1,
     device_is_host: bool = False,
+    grads_in_host: bool = False,
 ) -> MemoryNeed:
     """The bytes `size` needs at ZeRO `stage` with these offload devices ("none", "cpu" or "nvme"), Adam's
     moments in `moments` ("fp32", "bf16", "8bit"), gradient clipping on or off (`clip`; fp16 counts as
-    on: its overflow check needs the same global norm), `accumulation` micro-batches per step, and the
-    device's memory being host memory (`device_is_host`: no CUDA). See the package docstring."""
+    on: its overflow check needs the same global norm), `accumulation` micro-batches per step, the
+    device's memory being host memory (`device_is_host`: no CUDA), and gradients that wait for an NVMe
+    optimizer's step held in host memory (`grads_in_host`: a run without `host_budget_bytes` where they fit,
+    `engine.memory_plan.grads_wait_in_host`). See the package docstring."""
     if gpus_per_node < 1 or nodes < 1:
         raise ValueError(f"gpus_per_node={gpus_per_node} and nodes={nodes} must both be >= 1")
     ranks = gpus_per_node * nodes
     c = _choice(stage, offload_param, offload_optimizer, ranks, dtype_bytes, moments, clip, accumulation,
-                device_is_host)  # fmt: skip
+                device_is_host, grads_in_host)  # fmt: skip
     homes = _homes(size, c)
     block = size.largest_block_params
     block_shard = math.ceil(block / ranks) + SHARD_ALIGN_ELEMS  # memory_plan.largest_shard_elems
@@ -200,11 +216,12 @@ def home_bytes_per_rank(
     clip: bool = True,
     accumulation: int = 1,
     device_is_host: bool = False,
+    grads_in_host: bool = False,
 ) -> dict[str, int]:
     """Bytes per offload tier ("none": the device, "cpu", "nvme") that one rank's shard slots take in their
     homes, staging and working sets left out: what `engine.memory_plan.home_bytes` says for the same run."""
     c = _choice(stage, offload_param, offload_optimizer, ranks, dtype_bytes, moments, clip, accumulation,
-                device_is_host)  # fmt: skip
+                device_is_host, grads_in_host)  # fmt: skip
     return _homes(size, c)
 
 

@@ -4,6 +4,11 @@ A mixin of `ShardStore` (its tiers, placement, records, views and crossing). An 
 the placement puts `GRAD`: the compute writes into it directly when it is in the compute's memory
 (`grad_accumulator`), else gradients come through `accumulate_grad`, crossing from the device in the
 compute dtype and promoted to fp32 as they are summed on the host, or written to NVMe.
+
+A gradient sum whose home is NVMe stays in host memory instead (held) while the store's
+`grad_hold_bytes` allow: it waits there for its step, which takes it (`lend`), and never touches the
+disk. The same flats are held every step (gradients arrive in the same order), so a flat's NVMe slot is
+dropped when it is first held: it would hold an older step's gradient.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 from infinity.partition.flat_param import FlatParam
 from infinity.shards.crossing import StagedCopy
 from infinity.shards.kinds import ShardKind
-from infinity.storage import Tier, aligned_empty
+from infinity.storage import ALIGN, Tier, aligned_empty
 
 GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
 
@@ -75,6 +80,12 @@ class GradientAccumulators:
             self.grad_written(flat, final)
             return
         grad = grad.to("cpu", self.placement.grad_dtype)
+        held = self._held_grads.get(flat)
+        if held is not None:  # an earlier micro-batch's sum, in host memory
+            held.add_(grad)
+            if final and self.placement.needs_grad_norm:
+                record.grad_norm_sq = _norm_sq(held)
+            return
         key = self.key(flat, ShardKind.GRAD)
         if record.has_grad:
             held = self.tiers.fetch(key, Tier.HOST).wait()
@@ -90,6 +101,9 @@ class GradientAccumulators:
             return
         if final and self.placement.needs_grad_norm:
             record.grad_norm_sq = _norm_sq(grad)
+        if self._hold_grad(flat, grad):
+            record.has_grad = True
+            return
         handle = self.tiers.write(key, grad) if key in self.tiers else self.tiers.put(key, grad, Tier.NVME)
         self._grad_writes.append((handle, grad))  # the store may read `grad` until the write is done
         while len(self._grad_writes) > self.grad_writes_in_flight:
@@ -112,7 +126,7 @@ class GradientAccumulators:
         else:
             grad = self._host_fp32(grad)
         if record.has_grad:
-            view = self.shard_view(flat, ShardKind.GRAD)
+            view = self._take_held_grad(flat)
             if view is not None:
                 grad = view.to("cpu").add(grad)
             else:
@@ -153,6 +167,38 @@ class GradientAccumulators:
         for record in self.records.values():
             record.has_grad = False
             record.grad_norm_sq = None
+        for flat in [f for f in self._held_grads if not self.owes(f)]:  # a step owed still takes its gradient
+            self._take_held_grad(flat)
+
+    # -- gradients held in host memory -------------------------------------------------------------
+
+    @property
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient sums held in host memory instead of their NVMe home."""
+        return sum(g.numel() * g.element_size() for g in self._held_grads.values())
+
+    def _hold_grad(self, flat: FlatParam, grad: torch.Tensor) -> bool:
+        """Keep `flat`'s first gradient of the step (host, `placement.grad_dtype`) in memory, if the hold allows."""
+        nbytes = grad.numel() * grad.element_size()
+        if self.held_grad_bytes + nbytes > self.grad_hold_bytes:
+            return False
+        if grad.untyped_storage().nbytes() > nbytes + 2 * ALIGN:  # a view of a larger buffer (a reduction's)
+            grad = grad.clone()
+        key = self.key(flat, ShardKind.GRAD)
+        if key in self.tiers:  # its slot holds an older step's gradient: nobody may read that
+            self.tiers.drop(key)
+        self._held_grads[flat] = grad
+        return True
+
+    def _grad_in_memory(self, flat: FlatParam) -> torch.Tensor | None:
+        """The gradient sum where it is in memory: the accumulator's home there, or a held sum."""
+        view = self.shard_view(flat, ShardKind.GRAD)
+        return view if view is not None else self._held_grads.get(flat)
+
+    def _take_held_grad(self, flat: FlatParam) -> torch.Tensor | None:
+        """`_grad_in_memory`; a held sum is handed over (whoever takes it, a step, frees it)."""
+        view = self.shard_view(flat, ShardKind.GRAD)
+        return view if view is not None else self._held_grads.pop(flat, None)
 
 
 def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

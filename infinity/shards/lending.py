@@ -82,8 +82,12 @@ class OptimizerLending:
     def prefetch_state(self, flats: Iterable[FlatParam], with_grad: bool) -> None:
         """Start reading the optimizer state `lend` will need into host memory (NVMe homes), in order."""
         if self.placement.optim_home is Tier.NVME:
-            kinds = (*OPTIM_KINDS, ShardKind.GRAD) if with_grad else OPTIM_KINDS
-            self.tiers.prefetch([self.key(f, k) for f in flats for k in kinds], Tier.HOST)
+            keys = []
+            for flat in flats:
+                keys += [self.key(flat, kind) for kind in OPTIM_KINDS]
+                if with_grad and flat not in self._held_grads:  # a held gradient is in memory already
+                    keys.append(self.key(flat, ShardKind.GRAD))
+            self.tiers.prefetch(keys, Tier.HOST)
 
     def lend(self, flat: FlatParam, with_grad: bool, gather_next: bool = False) -> LentShard:
         """`flat`'s master, moments (and gradient sum) for one in-place step: the home buffers in memory, or
@@ -95,7 +99,7 @@ class OptimizerLending:
         fetched: list[Hashable] = []
 
         def buffer(kind: ShardKind) -> torch.Tensor:
-            view = self.shard_view(flat, kind)
+            view = self.shard_view(flat, kind) if kind is not ShardKind.GRAD else self._take_held_grad(flat)
             if view is not None:
                 return view
             key = self.key(flat, kind)

@@ -51,7 +51,10 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         comm: CommGroup,
         read_ahead_bytes: int | None = None,
         grad_writes_in_flight: int = 2,
+        grad_hold_bytes: int = 0,
     ) -> None:
+        """`grad_hold_bytes`: gradients that wait for their step with an NVMe home stay in host memory instead,
+        up to this many bytes (`GradientAccumulators`)."""
         self.tiers = tiers
         self.placement = placement
         self.comm = comm
@@ -61,6 +64,8 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         self.records: dict[FlatParam, ShardRecord] = {}  # the trainable ones
         self._views: dict[Hashable, torch.Tensor] = {}  # home copies in memory, by key
         self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
+        self.grad_hold_bytes = grad_hold_bytes
+        self._held_grads: dict[FlatParam, torch.Tensor] = {}  # gradient sums kept in host memory, not on NVMe
         self._owed: dict[FlatParam, Callable[[FlatParam], None]] = {}  # updates not yet applied
         self.crossing = DeviceHostCopies(tiers.copies, placement.compute_dtype)
         self._grads_crossing: deque[tuple[FlatParam, bool, StagedCopy]] = deque()  # copies to the host in flight
@@ -182,7 +187,7 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         `placement.grad_dtype` for GRAD, the packed bytes for MOMENTS: see `read_moments`)."""
         self.settle(flat)
         self._land_grads()
-        view = self.shard_view(flat, kind)
+        view = self.shard_view(flat, kind) if kind is not ShardKind.GRAD else self._grad_in_memory(flat)
         if view is not None:
             return view.detach().to("cpu", copy=True)
         key = self.key(flat, kind)
