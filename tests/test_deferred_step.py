@@ -10,6 +10,8 @@ what is owed to it. The result is exactly the clipped step: plain PyTorch with c
 from __future__ import annotations
 
 import itertools
+import time
+from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from harness import assert_weights_close, config, mean_losses, reference_for, tr
 from toy_models import batches, make_model
 
 import infinity
+from infinity.shards import ShardKind
 
 STEPS = 4
 MICRO_BS = 2
@@ -135,3 +138,48 @@ def test_resident_parameters_of_one_rank_step_before_their_block_and_wait_for_we
     ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(state, {k: ref_state[k] for k in state})
+
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_state_a_deferred_step_takes_first_is_read_during_backward_and_once(tmp_path, dtype):
+    """The stepper's window is idle while backward runs before a deferred step: the master and moments of the
+    shards the step takes first are read then (not in the next forward), and the step uses those copies, so
+    no state is read twice. The steps still match plain PyTorch's clipped ones."""
+    cfg = _config("none", dtype, 1, str(tmp_path))  # one rank, parameters in memory, optimizer on NVMe
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    store = engine.shards
+    reads: list[tuple[str, str]] = []
+    count = engine.moves.record
+
+    def record(event) -> None:  # observes every move, then counts it as before
+        if event.src == "nvme":
+            reads.append(event.key)
+        count(event)
+
+    engine.moves.record = record
+    data = batches("gpt", MICRO_BS)
+    losses = train_steps(engine, data, 1)  # the first deferred step: its order is the one expected next
+    first = next(iter(store.records))  # the embedding: first in forward, its gradient last in backward
+    state_keys = {store.key(first, ShardKind.MASTER), store.key(first, ShardKind.MOMENTS)}
+    for _ in range(STEPS - 1):
+        x, y = next(data)
+        _, loss = engine(x, y)  # settles the step owed since the last step()
+        reads.clear()
+        engine.backward(loss)
+        deadline = time.monotonic() + 30
+        while not all("host" in store.tiers.tiers_holding(k) for k in state_keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state_keys <= set(reads)  # read during backward ...
+        engine.step()
+        engine.wait_for_weights()  # ... and the step, settled here, reads no state twice
+        losses.append(loss.item())
+        state_reads = Counter(k for k in reads if k[1] in (ShardKind.MASTER.value, ShardKind.MOMENTS.value))
+        assert len(state_reads) == 2 * len(store.records) and max(state_reads.values()) == 1, state_reads
+    assert engine.optimizer.stepped_when_needed == STEPS * len(store.records)
+    state = engine.full_state_dict()
+    engine.close()
+    ref_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS, dtype=ref_dtype)
+    assert losses == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert_weights_close(state, ref_state, dtype)

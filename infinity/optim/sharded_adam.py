@@ -39,6 +39,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         self.shards = shards
         self.step_in_backward = shards.placement.step_in_backward
+        self.step_deferred = shards.placement.step_timing is StepTiming.BEFORE_NEXT_GATHER
+        self._expecting_defer = False  # this backward's deferred step was prepared for (`expect_defer`)
         super().__init__([{**hyper, "params": []} for hyper in groups], defaults={})
         self.stepper: Stepper = (
             TorchFusedStepper(shards, self.hyper, adamw_mode)
@@ -50,6 +52,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def accumulate_grad(self, flat: FlatParam, shard_grad: torch.Tensor, final: bool = True) -> None:
         """One micro-batch's reduced gradient shard (fp32, any device); `final` marks the last one before a step."""
+        if final:
+            self._final_grad_arrives()
         if final and self.step_in_backward:
             self.stepper.arrive(flat, self.shards.final_grad(flat, shard_grad))
         else:
@@ -60,6 +64,8 @@ class ShardedAdam(torch.optim.Optimizer):
         is in the compute's memory (one pass), else through one flat copy."""
         acc = self.shards.grad_accumulator(flat)
         if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
+            if final:
+                self._final_grad_arrives()
             if flat.grads_into(acc, accumulate=self.shards.records[flat].has_grad):
                 self.shards.grad_written(flat, final)
             return
@@ -70,6 +76,12 @@ class ShardedAdam(torch.optim.Optimizer):
         full = flat.flat_grad(out)
         if full is not None:
             self.accumulate_grad(flat, full, final)
+
+    def _final_grad_arrives(self) -> None:
+        """The first final gradient of a step whose step will be deferred: the stepper prepares for it."""
+        if self.step_deferred and not self._expecting_defer:
+            self._expecting_defer = True
+            self.stepper.expect_defer()
 
     def local_grad_norm_sq(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards (fp64 scalar on CPU); inf/nan if they overflowed."""
@@ -100,6 +112,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.refuse_mid_step("zero_grad")
         self.shards.zero_grad()
+        self._expecting_defer = False  # a step skipped (fp16 overflow) deferred nothing
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -120,6 +133,7 @@ class ShardedAdam(torch.optim.Optimizer):
             rank = {f: i for i, f in enumerate(order or flats)}
             flats.sort(key=lambda f: rank.get(f, len(rank)))
             self.stepper.defer(flats, grad_scale, [dict(g) for g in self.param_groups])
+            self._expecting_defer = False
         else:
             self.stepper.step(flats, grad_scale)
 

@@ -43,6 +43,9 @@ class Stepper(Protocol):
         """Step `flats` later, each when its bytes are next needed, with these gradient scale and
         hyper-parameters (per param group); `flats` in the order they will be needed."""
 
+    def expect_defer(self) -> None:
+        """The backward of a step that will be deferred has begun: prepare what that step reads first."""
+
     def drain(self, raise_errors: bool = True) -> None:
         """Finish every write in flight; without `raise_errors` (closing) a storage error of one is dropped
         and the rest are still waited for."""
@@ -67,6 +70,9 @@ class TorchFusedStepper:
         raise RuntimeError("the torch stepper steps after backward only")
 
     def defer(self, flats, grad_scale, hyper) -> None:  # pragma: no cover - the placement never asks
+        raise RuntimeError("the torch stepper steps after backward only")
+
+    def expect_defer(self) -> None:  # pragma: no cover - the placement never asks
         raise RuntimeError("the torch stepper steps after backward only")
 
     def _lend_all(self) -> None:
@@ -140,6 +146,7 @@ class NativeStepper:
         self._stepped: set[FlatParam] = set()  # stepped this step
         self._deferred: deque[FlatParam] = deque()  # owed a step, in the order they will be needed
         self._deferred_args: tuple[float, list[dict[str, Any]]] = (1.0, [])
+        self._last_deferred: list[FlatParam] = []  # the last deferred step's order: the next one's, most likely
 
     @staticmethod
     def shard_state_bytes(shard_elems: int, moments: str = "fp32") -> int:
@@ -185,10 +192,20 @@ class NativeStepper:
         self.settle_all()  # a step owed since the last one (nothing needed those shards) comes first
         self.shards.finish_grad_writes()
         self._deferred = deque(flats)
+        self._last_deferred = list(flats)
         self._deferred_args = (grad_scale, hyper)
         for flat in flats:
             self.shards.owe(flat, self._settle_through)
         self._read_ahead_deferred()
+
+    def expect_defer(self) -> None:
+        """Read the state of the shards the deferred step takes first (in the last deferred step's order) into
+        the window, idle during this backward: those reads overlap backward, not the next forward. Not their
+        gradients (still arriving), nor a master that is the parameter shard (backward's gather reads it, and
+        the step finds that copy)."""
+        if not self._deferred and not self._returning:  # the window is empty (the owed steps all settled)
+            master = not self.shards.placement.master_is_param
+            self.shards.prefetch_state(self._last_deferred[: self.window], with_grad=False, master=master)
 
     def _settle_through(self, flat: FlatParam) -> None:
         grad_scale, hyper = self._deferred_args

@@ -79,12 +79,13 @@ class Returned:
 class OptimizerLending:
     """`ShardStore`'s lend/give-back verbs; see the module docstring."""
 
-    def prefetch_state(self, flats: Iterable[FlatParam], with_grad: bool) -> None:
-        """Start reading the optimizer state `lend` will need into host memory (NVMe homes), in order."""
+    def prefetch_state(self, flats: Iterable[FlatParam], with_grad: bool, master: bool = True) -> None:
+        """Start reading the optimizer state `lend` will need into host memory (NVMe homes), in order;
+        without `master`, the moments (and gradient) only."""
         if self.placement.optim_home is Tier.NVME:
             keys = []
             for flat in flats:
-                keys += [self.key(flat, kind) for kind in OPTIM_KINDS]
+                keys += [self.key(flat, kind) for kind in OPTIM_KINDS if master or kind is not ShardKind.MASTER]
                 if with_grad and flat not in self._held_grads:  # a held gradient is in memory already
                     keys.append(self.key(flat, ShardKind.GRAD))
             self.tiers.prefetch(keys, Tier.HOST)
