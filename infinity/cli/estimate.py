@@ -81,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
             f"{format_bytes(need.nvme_bytes):>14} {format_bytes(row.collective_bytes):>14}  "
             f"{'yes' if row.fits else 'no'}"
         )
+    if clip or args.accumulation > 1:
+        print(
+            "Rows with the optimizer on NVMe keep the gradients that wait for the step there, as a run with "
+            "zero_optimization.host_budget_bytes does; without a budget they wait in host memory instead where "
+            "they fit a quarter of what is available (per rank)."
+        )
     best = preferred(rows)
     print(
         f"Best fit here: {choice_name(best.key)}, the least traffic of those that fit"
