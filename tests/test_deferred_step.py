@@ -140,7 +140,6 @@ def test_resident_parameters_of_one_rank_step_before_their_block_and_wait_for_we
     assert_weights_close(state, {k: ref_state[k] for k in state})
 
 
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_state_a_deferred_step_takes_first_is_read_during_backward_and_once(tmp_path, dtype):
     """The stepper's window is idle while backward runs before a deferred step: the master and moments of the
