@@ -94,11 +94,10 @@ class InfinityEngine(EngineStateIO):
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
         memory = plan_memory(z, plan, self.placement, groups.group_of)
         layout = (plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps, z.sub_group_size)
-        homes = home_bytes(*layout)
-        waiting_grads = homes[Tier.NVME] - home_bytes(*layout, grads_in_host=True)[Tier.NVME]
+        on_nvme, held = home_bytes(*layout), home_bytes(*layout, grads_in_host=True)
+        waiting_grads = on_nvme[Tier.NVME] - held[Tier.NVME]
         self.grads_in_host = grads_wait_in_host(z, self.placement, waiting_grads)
-        if self.grads_in_host:
-            homes = home_bytes(*layout, grads_in_host=True)
+        homes = held if self.grads_in_host else on_nvme
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
         self.prof = open_trace_writer(cfg, rank, world) or NullTraceWriter()
