@@ -70,17 +70,22 @@ def test_all_gather_in_a_subgroup_maps_group_ranks_to_global_ranks():
     assert results[1] == results[2] == _expected([1, 2]).tolist()
 
 
-def _mismatched_gather() -> str:
+def _refusal(op: str) -> str:
+    """What rank's CommGroup says to an all-gather into a wrong size ("gather") or a reduce-scatter of an input
+    that does not split evenly ("reduce-scatter"); "no error" if it takes it."""
     comm = CommGroup(dist.get_rank(), 2, dist.group.WORLD)
     try:
-        comm.all_gather(torch.empty(2 * SHARD + 1), _shard_of(dist.get_rank()), "a gather into the wrong size")
-    except Exception as exc:
+        if op == "gather":
+            comm.all_gather(torch.empty(2 * SHARD + 1), _shard_of(dist.get_rank()), "a gather into the wrong size")
+        else:
+            comm.reduce_scatter_in_background(torch.ones(2 * SHARD + 1), "gradients of an uneven flat")
+    except ValueError as exc:
         return str(exc)
     return "no error"
 
 
 def test_an_output_of_the_wrong_size_is_refused_on_every_rank_naming_the_gather():
-    for rank, message in enumerate(run_distributed(_mismatched_gather, 2, timeout_s=60)):
+    for rank, message in enumerate(run_distributed(_refusal, 2, "gather", timeout_s=60)):
         assert message.startswith(f"rank {rank}/2: all-gather of a gather into the wrong size: the output holds 11")
         assert "not 2 x 5" in message
 
@@ -138,15 +143,6 @@ def test_reduce_scatter_in_a_subgroup_sends_to_global_ranks():
     assert results[1] == total[:SHARD].tolist() and results[2] == total[SHARD:].tolist()
 
 
-def _uneven_reduce_scatter() -> str:
-    comm = CommGroup(dist.get_rank(), 2, dist.group.WORLD)
-    try:
-        comm.reduce_scatter_in_background(torch.ones(2 * SHARD + 1), "gradients of an uneven flat")
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_a_reduce_scatter_input_that_does_not_split_evenly_is_refused_naming_it():
-    for rank, message in enumerate(run_distributed(_uneven_reduce_scatter, 2, timeout_s=60)):
+    for rank, message in enumerate(run_distributed(_refusal, 2, "reduce-scatter", timeout_s=60)):
         assert message.startswith(f"rank {rank}/2: reduce-scatter of gradients of an uneven flat: the input holds 11")
