@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from infinity.profiler.encoding import encode_record
 from infinity.profiler.format import COLLECTIVE_OPS, VERSION, gather_source, trace_filename
 
 now_ns = time.perf_counter_ns
@@ -46,33 +47,6 @@ def rss_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return None
-
-
-# Each record waits in memory as a tuple (type, *fields) and is encoded at flush with its template.
-# Field marks: "$name" a string, JSON-quoted (a non-string is turned into one); "!name" JSON text
-# already ("true"); "name" an integer.
-_LAYOUTS: dict[str, tuple[str, tuple[bool, ...]]] = {}
-
-
-def _layout(kind: str, *fields: str) -> None:
-    body = ",".join(f'"{f.lstrip("$!")}":' + ("%d" if f[0] not in "$!" else "%s") for f in fields)
-    _LAYOUTS[kind] = ('{"type":"' + kind + '",' + body + "}\n", tuple(f.startswith("$") for f in fields))
-
-
-_layout("step", "step", "start_ns", "end_ns")
-_layout("phase", "step", "$phase", "start_ns", "end_ns")
-_layout("move", "$key", "$block", "bytes", "$src", "$dst", "start_ns", "end_ns", "step", "$phase")
-_layout("stall", "$block", "start_ns", "end_ns", "$waited_on", "step", "$phase")
-_layout("collective", "$op", "$block", "bytes", "start_ns", "end_ns", "step", "$phase")
-_layout("compute", "$block", "start_ns", "end_ns", "step", "$phase")
-_layout("prefetch", "$block", "issued_ns", "step", "$phase")
-_layout("use", "$block", "t_ns", "!ready", "step", "$phase")
-_layout("pool", "$pool", "$event", "wait_ns", "t_ns", "step")
-_layout("live", "$tier", "bytes", "t_ns")
-_layout("queue", "$stream", "depth", "t_ns")
-_layout("held", "$tier", "$holder", "bytes", "t_ns")
-_layout("peak", "$tier", "bytes", "step", "t_ns")
-_layout("rss", "bytes", "t_ns")
 
 
 class TraceWriter:
@@ -317,17 +291,8 @@ class TraceWriter:
             lines = []
             for _ in range(len(queue)):
                 record = queue.popleft()
-                template, flags = _LAYOUTS[record[0]]
-                values = []
                 try:
-                    for value, quote in zip(record[1:], flags, strict=True):
-                        if quote:
-                            text = quoted.get(value)
-                            if text is None:
-                                text = quoted[value] = json.dumps(value if isinstance(value, str) else str(value))
-                            value = text
-                        values.append(value)
-                    lines.append(template % tuple(values))
+                    lines.append(encode_record(record, quoted))
                 except (TypeError, ValueError) as exc:  # a bad argument must not stop training
                     self.bad_records += 1
                     if self.bad_records == 1:
