@@ -14,7 +14,7 @@ import torch
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 
-from benchlib import scale_bound, shapes  # noqa: E402
+from benchlib import scale_bound, scale_disk, shapes  # noqa: E402
 from benchlib.launch import merge_ranks  # noqa: E402
 
 from infinity.models.llama import Llama  # noqa: E402
@@ -79,16 +79,14 @@ def test_seven_billion_target_builds_a_llama_of_at_least_6_7e9_parameters():
 
 
 def test_bench_scale_disk_check_asks_for_the_swap_the_7e9_8bit_run_makes():
-    import bench_scale
-
     cfg, _ = shapes.choose_shape("llama", 7e9, None, 16)
     n = shapes.count("llama", cfg)
-    need = bench_scale.disk_need("llama", cfg, 4, "8bit", 2 * 2**30, clip=False)
+    need = scale_disk.disk_need("llama", cfg, 4, "8bit", 2 * 2**30, clip=False)
     # by hand, per parameter: fp32 master that is the parameter slot (4 B), 8-bit moments (2 B and two fp32 scales
     # per 256 elements); stepped during backward: no gradient slot
     assert need["swap_bytes"] == pytest.approx(n * (4 + 2 + 8 / 256), rel=1e-3)
-    assert need["total_bytes"] == need["swap_bytes"] + bench_scale.MARGIN_BYTES < 50e9  # fits ~72 GB free
-    clipped = bench_scale.disk_need("llama", cfg, 4, "8bit", 2 * 2**30, clip=True)
+    assert need["total_bytes"] == need["swap_bytes"] + scale_disk.MARGIN_BYTES < 50e9  # fits ~72 GB free
+    clipped = scale_disk.disk_need("llama", cfg, 4, "8bit", 2 * 2**30, clip=True)
     assert clipped["swap_bytes"] - need["swap_bytes"] == pytest.approx(4 * n, rel=1e-3)  # gradients wait on NVMe
 
 

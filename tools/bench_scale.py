@@ -72,6 +72,7 @@ from typing import Any
 from benchlib import scale_bound, shapes
 from benchlib.measure import disk_io, folder_bytes, peak_rss_bytes, raw_disk, rss_bytes
 from benchlib.scale_bound import COMPUTE_BYTES
+from benchlib.scale_disk import check_disk, disk_need
 from benchlib.scale_report import summarize
 from benchlib.scratch import install_signal_handlers, remove_stale_dirs, scratch_dir
 from benchlib.watch import PeriodicGC, RssWatch
@@ -80,7 +81,6 @@ MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 MALLOC_TUNED = "1048576"
 GiB = 1 << 30
 DIR_PREFIX = ".bench-scale-"
-MARGIN_BYTES = 1 * GiB  # swap-file growth steps, slot alignment, the filesystem's own reserve
 
 # -- process setup (before torch is imported: glibc reads its tunables when the process starts) --------------
 
@@ -143,23 +143,6 @@ def log(message: str) -> None:
 
 
 # -- the run's pieces ------------------------------------------------------------------------------------------
-
-
-def disk_need(arch: str, cfg: Any, compute_bytes: int, moments: str, fio_bytes: int, clip: bool) -> dict[str, Any]:
-    """Bytes the run needs on the NVMe path: infinity.estimator's swap figure, fio's file and a margin."""
-    from infinity.estimator import ModelSize, estimate
-
-    size = ModelSize(shapes.count(arch, cfg), shapes.largest_block_params(arch, cfg))
-    # gradients take NVMe slots only where they wait for the step: with clipping (accumulation is 1 here)
-    swap = estimate(size, "nvme", "nvme", dtype_bytes=compute_bytes, moments=moments, clip=clip).nvme_bytes
-    how = f"infinity.estimator, moments {moments}, clipping {'on' if clip else 'off'}"
-    return {
-        "swap_bytes": swap,
-        "fio_bytes": fio_bytes,
-        "margin_bytes": MARGIN_BYTES,
-        "total_bytes": max(swap, fio_bytes) + MARGIN_BYTES,  # fio's file is removed before the swap is made
-        "swap_estimate": how,
-    }
 
 
 SUB_GROUP_SIZE = 50_000_000  # the optimizer's unit: a 7B layer (202M elements) would not stream through 8 GiB
@@ -316,22 +299,6 @@ def choose_shape(args: argparse.Namespace) -> tuple[Any, str]:
     return cfg, how
 
 
-def check_disk(base: Path, need: dict[str, Any], params: int) -> int:
-    """Free bytes at `base`; SystemExit naming what fits when `need` does not."""
-    free = shutil.disk_usage(base).free
-    log(f"disk: the run needs {need['total_bytes'] / 1e9:.1f} GB on {base} (the larger of "
-        f"{need['swap_bytes'] / 1e9:.1f} swap [{need['swap_estimate']}] and {need['fio_bytes'] / 1e9:.1f} fio, + "
-        f"{MARGIN_BYTES / 1e9:.1f} margin); "
-        f"{free / 1e9:.1f} GB free")  # fmt: skip
-    if need["total_bytes"] > free:
-        most = (free - MARGIN_BYTES) / (need["swap_bytes"] / params)
-        raise SystemExit(
-            f"not enough disk on {base}: the run needs {need['total_bytes'] / 1e9:.1f} GB, {free / 1e9:.1f} GB is "
-            f"free; ask for fewer parameters (--params {max(most, 0):.3g} fits) or point --nvme-path at a bigger disk"
-        )
-    return free
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -347,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     remove_stale_dirs(base, DIR_PREFIX)
     fio_bytes = 0 if args.no_fio else int(args.fio_gib * GiB)
     need = disk_need(args.arch, cfg, compute_bytes, args.moments, fio_bytes, clip=args.clip > 0)
-    free = check_disk(base, need, expected)
+    free = check_disk(base, need, expected, log)
     from infinity.config import load_config
 
     load_config(engine_config(args, base))  # a setting the engine refuses fails now, before fio and the reference
