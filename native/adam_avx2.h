@@ -167,7 +167,7 @@ INF_AVX2 inline __m256i random_bits8_avx2(int64_t first, int64_t j, uint32_t key
 
 // Codes for x[j], j in [0, len), of one moment against a finite positive scale (q8_encode_scalar on 8 lanes).
 template <bool Signed>
-INF_AVX2 void q8_encode_avx2(const float* x, uint8_t* codes, int64_t first, int64_t len, float scale, uint32_t key) {
+INF_AVX2 inline void q8_encode_avx2(const float* x, uint8_t* codes, int64_t first, int64_t len, float scale, uint32_t key) {
     const __m256 scale_v = _mm256_set1_ps(scale);
     int64_t j = 0;
     for (; j + 8 <= len; j += 8) {
@@ -179,7 +179,7 @@ INF_AVX2 void q8_encode_avx2(const float* x, uint8_t* codes, int64_t first, int6
 }
 
 // Both moments' codes in one loop, sharing the random bits (the common case: both scales usable).
-INF_AVX2 void q8_encode_pair_avx2(const float* m, const float* v, uint8_t* m_codes, uint8_t* v_codes, int64_t first,
+INF_AVX2 inline void q8_encode_pair_avx2(const float* m, const float* v, uint8_t* m_codes, uint8_t* v_codes, int64_t first,
                                   int64_t len, float m_scale, float v_scale, uint32_t key) {
     const __m256 m_scale_v = _mm256_set1_ps(m_scale), v_scale_v = _mm256_set1_ps(v_scale);
     int64_t j = 0;

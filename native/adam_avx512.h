@@ -156,7 +156,7 @@ INF_AVX512 inline __m512i random_bits16_avx512(int64_t first, int64_t j, uint32_
 
 // Codes for x[j], j in [0, len), of one moment against a finite positive scale (q8_encode_scalar on 16 lanes).
 template <bool Signed>
-INF_AVX512 void q8_encode_avx512(const float* x, uint8_t* codes, int64_t first, int64_t len, float scale,
+INF_AVX512 inline void q8_encode_avx512(const float* x, uint8_t* codes, int64_t first, int64_t len, float scale,
                                  uint32_t key) {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t j = 0; j < len; j += 16) {
@@ -167,7 +167,7 @@ INF_AVX512 void q8_encode_avx512(const float* x, uint8_t* codes, int64_t first, 
 }
 
 // Both moments' codes in one loop, sharing the random bits (the common case: both scales usable).
-INF_AVX512 void q8_encode_pair_avx512(const float* m, const float* v, uint8_t* m_codes, uint8_t* v_codes,
+INF_AVX512 inline void q8_encode_pair_avx512(const float* m, const float* v, uint8_t* m_codes, uint8_t* v_codes,
                                       int64_t first, int64_t len, float m_scale, float v_scale, uint32_t key) {
     const __m512 m_scale_v = _mm512_set1_ps(m_scale), v_scale_v = _mm512_set1_ps(v_scale);
     int64_t j = 0;

@@ -17,6 +17,7 @@ import torch
 
 from infinity.partition.flat_param import FlatParam
 from infinity.shards.crossing import StagedCopy
+from infinity.shards.grad_norm import norm_sq
 from infinity.shards.kinds import ShardKind
 from infinity.storage import ALIGN, Tier, aligned_empty
 
@@ -39,7 +40,7 @@ class GradientAccumulators:
         record = self.records[flat]  # (grad_accumulator settled what was owed: it is read first)
         record.has_grad = True
         if final and self.placement.needs_grad_norm:
-            record.grad_norm_sq = _norm_sq(self.shard_view(flat, ShardKind.GRAD))
+            record.grad_norm_sq = norm_sq(self.shard_view(flat, ShardKind.GRAD))
 
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
         """Add one micro-batch's gradient shard (in the compute's memory) into the accumulator; `final` marks
@@ -84,7 +85,7 @@ class GradientAccumulators:
         if held is not None:  # an earlier micro-batch's sum, in host memory
             held.add_(grad)
             if final and self.placement.needs_grad_norm:
-                record.grad_norm_sq = _norm_sq(held)
+                record.grad_norm_sq = norm_sq(held)
             return
         key = self.key(flat, ShardKind.GRAD)
         if record.has_grad:
@@ -94,13 +95,13 @@ class GradientAccumulators:
                 self.tiers.write(key, held).wait()
                 grad = held
                 if final and self.placement.needs_grad_norm:
-                    record.grad_norm_sq = _norm_sq(held)
+                    record.grad_norm_sq = norm_sq(held)
             finally:
                 self.tiers.release(key, Tier.HOST)
                 self.tiers.evict(key)  # one accumulator in host memory at a time (grad_accumulation_bytes)
             return
         if final and self.placement.needs_grad_norm:
-            record.grad_norm_sq = _norm_sq(grad)
+            record.grad_norm_sq = norm_sq(grad)
         if self._hold_grad(flat, grad):
             record.has_grad = True
             return
@@ -158,7 +159,7 @@ class GradientAccumulators:
             if not record.has_grad:
                 continue
             if record.grad_norm_sq is None:  # no final micro-batch reached this flat: norm its sum now
-                record.grad_norm_sq = _norm_sq(self.read(flat, ShardKind.GRAD))
+                record.grad_norm_sq = norm_sq(self.read(flat, ShardKind.GRAD))
             total += record.grad_norm_sq
         return total
 
@@ -206,8 +207,3 @@ def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = aligned_empty(t.numel() * dtype.itemsize).view(dtype)
     out.copy_(t)
     return out
-
-
-def _norm_sq(t: torch.Tensor) -> float:
-    """Squared L2 norm, each shard's norm taken in fp32 (an fp64 copy would double its memory)."""
-    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
