@@ -182,3 +182,48 @@ def test_the_state_a_deferred_step_takes_first_is_read_during_backward_and_once(
     ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS, dtype=ref_dtype)
     assert losses == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
     assert_weights_close(state, ref_state, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_with_spare_host_memory_the_whole_deferred_step_reads_its_state_during_backward(tmp_path, dtype):
+    """No host budget and memory to spare: the deferred step's window grows to every shard
+    (`memory_plan.deferred_step_window`), so backward reads all the state the step will take (the next forward
+    only writes it back), each key once. The steps still match plain PyTorch's clipped ones."""
+    cfg = _config("none", dtype, 1, str(tmp_path))  # one rank, parameters in memory, optimizer on NVMe
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 2
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    store = engine.shards
+    assert engine.optimizer.stepper.window == len(store.records) > 2
+    assert not store.placement.master_is_param  # the fp32 master lives beside its moments, on NVMe
+    kinds = (ShardKind.MASTER, ShardKind.MOMENTS)
+    state_keys = {store.key(flat, kind) for flat in store.records for kind in kinds}
+    reads: list[tuple[str, str]] = []
+    count = engine.moves.record
+
+    def record(event) -> None:
+        if event.src == "nvme":
+            reads.append(event.key)
+        count(event)
+
+    engine.moves.record = record
+    data = batches("gpt", MICRO_BS)
+    losses = train_steps(engine, data, 1)
+    for _ in range(STEPS - 1):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        reads.clear()
+        engine.backward(loss)
+        deadline = time.monotonic() + 30
+        while not all("host" in store.tiers.tiers_holding(k) for k in state_keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(reads) == state_keys  # all of it during backward, before step() is called
+        engine.step()
+        engine.wait_for_weights()
+        assert Counter(reads) == dict.fromkeys(state_keys, 1)  # and the step read nothing again
+        losses.append(loss.item())
+    state = engine.full_state_dict()
+    engine.close()
+    ref_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS, dtype=ref_dtype)
+    assert losses == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert_weights_close(state, ref_state, dtype)

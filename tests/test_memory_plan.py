@@ -13,7 +13,14 @@ from harness import config, placement_of, resolved
 from toy_models import make_model
 
 from infinity.config import ConfigError
-from infinity.engine.memory_plan import MemoryPlan, largest_flat_shard_elems, largest_shard_elems, plan_memory
+from infinity.engine.memory_plan import (
+    MemoryPlan,
+    largest_flat_shard_elems,
+    largest_shard_elems,
+    plan_memory,
+    spare_host_bytes,
+    trainable_flats,
+)
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import plan_blocks
 from infinity.partition.flat_param import SHARD_ALIGN_ELEMS
@@ -192,3 +199,54 @@ def test_sub_group_size_makes_the_optimizer_stream_smaller_pieces():
         expected = NativeStepper.host_bytes(4, unit) + ShardStore.grad_accumulation_bytes(unit)
         assert plan.budgets.host_bytes == expected
     assert plans[1].budgets.host_bytes < plans[0].budgets.host_bytes
+
+
+# -- a step deferred into the next forward (clipping), no host budget: its window grows into spare memory ---
+
+
+def _deferred(spare: int, clip: float = 1.0, host_budget: int | None = None, buffer_count: int = 1) -> MemoryPlan:
+    cfg = _cfg("nvme", "nvme", host_budget)
+    cfg["gradient_clipping"] = clip
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = buffer_count
+    model = make_model("mlp")
+    blocks = plan_blocks(model, ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
+    group_of = {id(p): 0 for p in model.parameters()}  # one param group, every parameter trainable
+    return plan_memory(resolved(cfg).zero_optimization, blocks, placement_of(cfg), group_of, spare_host_bytes=spare)
+
+
+def test_the_toy_has_a_trainable_flat_per_block_and_one_for_the_root():
+    model = make_model("mlp")
+    blocks = plan_blocks(model, ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
+    assert trainable_flats(blocks, {id(p): 0 for p in model.parameters()}, 10**9) == len(blocks.blocks) + 1 == 4
+    assert trainable_flats(blocks, {}, 10**9) == 0  # no parameter in a group: nothing for the optimizer
+
+
+@pytest.mark.parametrize("shards_that_fit,window", [(0, 1), (2, 1), (3, 2), (4, 3), (5, 4), (50, 4)])
+def test_a_deferred_steps_window_grows_as_far_as_the_spare_memory_holds_shards_up_to_every_flat(
+    shards_that_fit, window
+):
+    state = NativeStepper.shard_state_bytes(_optim())
+    plan = _deferred(spare=shards_that_fit * state + state - 1)  # host_bytes(w) holds w + 1 shards' state
+    assert plan.optimizer_window == window
+    read_ahead = _plan(_cfg("nvme", "nvme")).param_read_ahead_bytes
+    rmw = ShardStore.grad_accumulation_bytes(_optim())
+    assert plan.budgets.host_bytes == read_ahead + rmw + NativeStepper.host_bytes(window, _optim())
+
+
+def test_the_window_keeps_buffer_count_where_the_step_runs_in_backward_or_a_budget_is_set():
+    assert _deferred(spare=HUGE, clip=0.0).optimizer_window == 1  # no clipping: stepped as gradients arrive
+    assert _deferred(spare=HUGE, host_budget=HUGE).optimizer_window == 1  # the budget sizes it (from buffer_count)
+    assert _deferred(spare=HUGE, buffer_count=6).optimizer_window == 6  # never below buffer_count
+
+
+def test_spare_host_memory_is_a_quarter_of_what_is_available_per_local_rank_less_held_gradients(monkeypatch):
+    cfg = _cfg("nvme", "nvme")
+    z, placement = resolved(cfg).zero_optimization, placement_of(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert spare_host_bytes(z, placement, 0, available=16 << 30) == 2 << 30
+    assert spare_host_bytes(z, placement, 1 << 30, available=16 << 30) == 1 << 30
+    assert spare_host_bytes(z, placement, 3 << 30, available=16 << 30) == 0
+    budgeted = _cfg("nvme", "nvme", host_budget=HUGE)
+    assert spare_host_bytes(resolved(budgeted).zero_optimization, placement_of(budgeted), 0, available=16 << 30) == 0
+    on_cpu = _cfg("nvme", "cpu")
+    assert spare_host_bytes(resolved(on_cpu).zero_optimization, placement_of(on_cpu), 0, available=16 << 30) == 0

@@ -87,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
             "zero_optimization.host_budget_bytes does; without a budget they wait in host memory instead where "
             "they fit a quarter of what is available (per rank)."
         )
+    if clip:
+        print(
+            "Their host figures hold offload_optimizer.buffer_count shards of optimizer state; without a budget a "
+            "clipped step may hold more, up to what is left of that quarter, to read its state during backward."
+        )
     best = preferred(rows)
     print(
         f"Best fit here: {choice_name(best.key)}, the least traffic of those that fit"

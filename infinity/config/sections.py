@@ -52,7 +52,12 @@ class OffloadOptimizerConfig:
     device: str = option("none", choices=OFFLOAD_DEVICES)
     nvme_path: str | None = option(None)
     pin_memory: bool = option(False)
-    buffer_count: int = option(4, min_value=1)
+    buffer_count: int = option(
+        4,
+        min_value=1,
+        doc="shards of optimizer state in host memory at once (on NVMe); a step deferred by clipping or fp16 "
+        "holds more where no host_budget_bytes is set and memory is spare",
+    )
     pipeline_read: bool = option(
         True, doc="read the next shards' optimizer state while one is stepped (false: each when it is stepped)"
     )

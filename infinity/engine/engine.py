@@ -23,7 +23,13 @@ from infinity.config import InfinityConfig, load_config, no_effect_notices, reso
 from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.host_memory import huge_pages_notice
 from infinity.engine.inputs import move_inputs
-from infinity.engine.memory_plan import check_host_budget, grads_wait_in_host, home_bytes, plan_memory
+from infinity.engine.memory_plan import (
+    check_host_budget,
+    grads_wait_in_host,
+    home_bytes,
+    plan_memory,
+    spare_host_bytes,
+)
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.partition_sharing import PartitionSharing
 from infinity.engine.setup import (
@@ -37,6 +43,7 @@ from infinity.engine.setup import (
 )
 from infinity.engine.sharding import shard_model
 from infinity.engine.state_api import EngineStateIO
+from infinity.estimator.machine import available_host_bytes
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.lr_schedules import build_schedule
 from infinity.optim.sharded_adam import ShardedAdam
@@ -92,11 +99,14 @@ class InfinityEngine(EngineStateIO):
 
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
-        memory = plan_memory(z, plan, self.placement, groups.group_of)
         layout = (plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps, z.sub_group_size)
         on_nvme, held = home_bytes(*layout), home_bytes(*layout, grads_in_host=True)
         waiting_grads = on_nvme[Tier.NVME] - held[Tier.NVME]
-        self.grads_in_host = grads_wait_in_host(z, self.placement, waiting_grads)
+        available = available_host_bytes()
+        self.grads_in_host = grads_wait_in_host(z, self.placement, waiting_grads, available)
+        held_grads = waiting_grads if self.grads_in_host else 0
+        spare = spare_host_bytes(z, self.placement, held_grads, available)
+        memory = plan_memory(z, plan, self.placement, groups.group_of, spare)
         homes = held if self.grads_in_host else on_nvme
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
@@ -109,7 +119,7 @@ class InfinityEngine(EngineStateIO):
             self.comm,
             read_ahead_bytes=memory.param_read_ahead_bytes,
             grad_writes_in_flight=memory.optimizer_window // 2,  # as many as arrivals hold (memory_plan)
-            grad_hold_bytes=waiting_grads if self.grads_in_host else 0,
+            grad_hold_bytes=held_grads,
         )
         self.optimizer = ShardedAdam(
             groups.groups,

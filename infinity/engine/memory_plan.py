@@ -21,7 +21,7 @@ from infinity.partition.blocks import flat_groups
 from infinity.partition.flat_param import SHARD_ALIGN_ELEMS, FlatParam
 from infinity.scheduler import BlockScheduler
 from infinity.shards.moments import moment_format
-from infinity.shards.policy import Placement
+from infinity.shards.policy import Placement, StepTiming
 from infinity.shards.store import ShardStore
 from infinity.storage import ALIGN, Tier, TierBudgets
 
@@ -52,14 +52,35 @@ def largest_flat_shard_elems(plan: BlockPlan, group_of: dict[int, int], world_si
     return FlatParam.shard_elems(max(numels), world_size)
 
 
+def trainable_flats(plan: BlockPlan, group_of: dict[int, int], sub_group_elems: int) -> int:
+    """How many flats have optimizer state (a param group): the shards an optimizer step streams."""
+    groups = [group for uses in _all_uses(plan) for _, group, _ in flat_groups(uses, group_of, sub_group_elems)]
+    return sum(group is not None for group in groups)
+
+
+def deferred_step_window(buffer_count: int, flats: int, shard_state_bytes: int, spare_host_bytes: int) -> int:
+    """The NVMe optimizer's window (shards of state in host memory at once) for a step deferred into the next
+    forward, without a host budget: `buffer_count`, grown toward every flat as far as `spare_host_bytes` holds
+    their state (`shard_state_bytes` each, the largest's). The step's reads then run during the backward
+    before it (`NativeStepper.expect_defer`) and the forward only writes the state back; with a few shards
+    that forward did nearly all of the step's I/O while the disk idled through backward."""
+    fits = spare_host_bytes // shard_state_bytes - 1 if shard_state_bytes else 0  # host_bytes holds window + 1
+    return max(buffer_count, min(flats, fits))
+
+
 def plan_memory(
-    z: ZeroConfig, plan: BlockPlan, placement: Placement, group_of: dict[int, int] | None = None
+    z: ZeroConfig,
+    plan: BlockPlan,
+    placement: Placement,
+    group_of: dict[int, int] | None = None,
+    spare_host_bytes: int = 0,
 ) -> MemoryPlan:
     """Byte budgets per tier, the optimizer's window and the parameters' read-ahead.
 
     Host memory is bounded whenever no shard lives there but some live on NVMe. Without an explicit
     `host_budget_bytes` the bound is the sum of the pipelines' needs, read-ahead sized by
-    `offload_param.buffer_count` x `buffer_size`; with one, the optimizer's window shrinks to fit what
+    `offload_param.buffer_count` x `buffer_size`, and a deferred NVMe step's window grows into
+    `spare_host_bytes` (`deferred_step_window`); with one, the optimizer's window shrinks to fit what
     the others leave, and read-ahead gets the rest. With the compute in host memory (a CPU-only machine
     without a device budget) an explicit host budget also covers the compute's working set.
     """
@@ -88,6 +109,9 @@ def plan_memory(
             read_ahead = max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
             host += read_ahead
         if optim_on_nvme:
+            if placement.step_timing is StepTiming.BEFORE_NEXT_GATHER:
+                flats = trainable_flats(plan, group_of or {}, z.sub_group_size)
+                window = deferred_step_window(window, flats, shard_state, spare_host_bytes)
             host += NativeStepper.host_bytes(window, optim_largest, placement.moments)
     elif host is not None and bounded:
         working = 0
@@ -112,16 +136,22 @@ def plan_memory(
     return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
 
 
+def spare_host_bytes(z: ZeroConfig, placement: Placement, held_grad_bytes: int, available: int | None = None) -> int:
+    """Host memory a run without `host_budget_bytes` may spend beyond its pipelines' minimum: a quarter of the
+    memory `available` at start (MemAvailable), shared by the node's ranks, less the gradients held in it
+    (`grads_wait_in_host`); 0 under an explicit budget or where the optimizer is not on NVMe."""
+    if placement.optim_home is not Tier.NVME or z.host_budget_bytes is not None:
+        return 0
+    available = available_host_bytes() if available is None else available
+    return max(0, available // (4 * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - held_grad_bytes)
+
+
 def grads_wait_in_host(z: ZeroConfig, placement: Placement, waiting_bytes: int, available: int | None = None) -> bool:
     """Whether the gradients that wait for their step on an NVMe optimizer (clipping, fp16, accumulation;
     `waiting_bytes` of them per rank) stay in host memory instead, never touching the disk, as DeepSpeed keeps
-    them: without `host_budget_bytes`, where they fit in a quarter of the host memory `available` at start
-    (MemAvailable), shared by the node's ranks. Under an explicit budget they wait on NVMe: the budget is
-    the streaming's."""
-    if placement.optim_home is not Tier.NVME or z.host_budget_bytes is not None or waiting_bytes == 0:
-        return False
-    available = available_host_bytes() if available is None else available
-    return waiting_bytes <= available // (4 * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    them: without `host_budget_bytes`, where they fit in the spare host memory (`spare_host_bytes`). Under an
+    explicit budget they wait on NVMe: the budget is the streaming's."""
+    return 0 < waiting_bytes <= spare_host_bytes(z, placement, 0, available)
 
 
 def _round_up(nbytes: int) -> int:
