@@ -80,12 +80,8 @@ def test_bf16_gradients_waiting_on_nvme_for_the_clipped_step_are_stored_in_bf16(
 ARRIVAL_MATRIX = [*itertools.product([1, 2], ["nvme", "none"], ["fp32"], [1, 2]), (1, "nvme", "bf16", 1)]
 
 
-@pytest.mark.parametrize("world,offload_param,dtype,grad_accum", ARRIVAL_MATRIX)
-def test_nvme_optimizer_stepped_during_backward_matches_plain_pytorch(
-    tmp_path, world, offload_param, dtype, grad_accum
-):
-    """Without clipping or loss scaling the NVMe optimizer steps each shard as its gradient arrives."""
-    cfg = config(
+def _unclipped_nvme(tmp_path, offload_param: str, dtype: str, grad_accum: int, host_budget: int | None) -> dict:
+    return config(
         micro_bs=MICRO_BS,
         persistence=64,
         grad_accum=grad_accum,
@@ -94,10 +90,34 @@ def test_nvme_optimizer_stepped_during_backward_matches_plain_pytorch(
         dtype=dtype,
         clip=0.0,
         nvme_path=str(tmp_path),
+        extra_zero={"host_budget_bytes": host_budget},
     )
+
+
+@pytest.mark.parametrize("world,offload_param,dtype,grad_accum", ARRIVAL_MATRIX)
+def test_nvme_optimizer_stepped_during_backward_matches_plain_pytorch(
+    tmp_path, world, offload_param, dtype, grad_accum
+):
+    """Without clipping or loss scaling, under a host budget, the NVMe optimizer steps each shard as its
+    gradient arrives."""
+    cfg = _unclipped_nvme(tmp_path, offload_param, dtype, grad_accum, host_budget=256 << 20)
     results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
     assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, clip=0.0, dtype=dtype)
     assert all(r["stepped_in_backward"] > 0 for r in results)
+
+
+@pytest.mark.parametrize(
+    "world,offload_param,dtype,grad_accum", [(1, "nvme", "fp32", 1), (2, "nvme", "fp32", 2), (1, "none", "bf16", 1)]
+)
+def test_without_a_budget_the_unclipped_nvme_step_is_deferred_and_matches_plain_pytorch(
+    tmp_path, world, offload_param, dtype, grad_accum
+):
+    """No host budget and the gradients fit in host memory: the step runs just before each shard's next
+    forward instead (`memory_plan.balance_step_timing`), still exactly plain PyTorch's unclipped step."""
+    cfg = _unclipped_nvme(tmp_path, offload_param, dtype, grad_accum, host_budget=None)
+    results = run_distributed(train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=120)
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS, grad_accum=grad_accum, clip=0.0, dtype=dtype)
+    assert all(r["stepped_in_backward"] == 0 and r["stepped_when_needed"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("world", [1, 2])

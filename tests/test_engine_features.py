@@ -329,8 +329,16 @@ def test_gathered_parameters_cut_short_by_an_error_keeps_the_weights(tmp_path, o
 
 def test_nvme_optimizer_mid_step_refuses_state_access_until_step(tmp_path):
     """Stepping shards as gradients arrive leaves the optimizer mid-step between backward and step():
-    reading or writing its state (a checkpoint) or zero_grad then says to call step() first."""
-    cfg = config(micro_bs=MICRO_BS, persistence=64, offload_optimizer="nvme", clip=0.0, nvme_path=str(tmp_path))
+    reading or writing its state (a checkpoint) or zero_grad then says to call step() first. (A host budget: without
+    one the step is deferred into the next forward instead, `memory_plan.balance_step_timing`.)"""
+    cfg = config(
+        micro_bs=MICRO_BS,
+        persistence=64,
+        offload_optimizer="nvme",
+        clip=0.0,
+        nvme_path=str(tmp_path),
+        extra_zero={"host_budget_bytes": 256 << 20},
+    )
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     x, y = next(batches("gpt", MICRO_BS))
     _, loss = engine(x, y)

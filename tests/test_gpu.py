@@ -29,7 +29,9 @@ WORLDS = [1, GPUS] if GPUS > 1 else [1]
 MATRIX = list(itertools.product(WORLDS, ["none", "cpu", "nvme"], ["fp32", "bf16"], [1, 2]))
 
 
-def _run(tmp_path, world: int, offload: str, dtype: str, grad_accum: int, clip: float = 1.0) -> list[dict]:
+def _run(
+    tmp_path, world: int, offload: str, dtype: str, grad_accum: int, clip: float = 1.0, host_budget: int | None = None
+) -> list[dict]:
     cfg = config(
         micro_bs=MICRO_BS,
         persistence=64,
@@ -39,6 +41,7 @@ def _run(tmp_path, world: int, offload: str, dtype: str, grad_accum: int, clip: 
         dtype=dtype,
         clip=clip,
         nvme_path=str(tmp_path),
+        extra_zero={"host_budget_bytes": host_budget},
     )
     return run_distributed(  # one rank runs without a process group, as without a launcher
         train_on_rank, world, "gpt", cfg, STEPS, MICRO_BS, timeout_s=300, backend="nccl", init_process_group=world > 1
@@ -62,10 +65,16 @@ def test_gpt_on_the_gpu_matches_plain_pytorch(tmp_path, world, offload, dtype, g
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_the_nvme_optimizer_stepping_during_backward_on_the_gpu_matches_plain_pytorch(tmp_path, world):
-    results = _run(tmp_path, world, "nvme", "bf16", 1, clip=0.0)
+@pytest.mark.parametrize("host_budget", [256 << 20, None])
+def test_the_unclipped_nvme_optimizer_on_the_gpu_matches_plain_pytorch(tmp_path, world, host_budget):
+    """Under a host budget each shard steps as its gradient arrives; without one, its gradient waits in host
+    memory and the step runs before the next forward (`memory_plan.balance_step_timing`)."""
+    results = _run(tmp_path, world, "nvme", "bf16", 1, clip=0.0, host_budget=host_budget)
     _check_against_pytorch_on_the_gpu(results, 1, 0.0, "bf16")
-    assert all(r["stepped_in_backward"] > 0 for r in results)
+    if host_budget is None:
+        assert all(r["stepped_in_backward"] == 0 and r["stepped_when_needed"] > 0 for r in results)
+    else:
+        assert all(r["stepped_in_backward"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])

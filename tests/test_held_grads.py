@@ -17,9 +17,10 @@ from toy_models import batches, make_model
 
 import infinity
 from infinity.config import load_config
-from infinity.engine.memory_plan import grads_wait_in_host
+from infinity.engine.memory_plan import balance_step_timing, grads_wait_in_host
+from infinity.partition import plan_blocks
 from infinity.shards import ShardKind
-from infinity.shards.policy import resolve_placement
+from infinity.shards.policy import StepTiming, resolve_placement
 from infinity.storage import Tier
 
 STEPS = 4
@@ -121,3 +122,30 @@ def test_gradients_wait_in_host_memory_where_they_fit_a_quarter_of_it_per_local_
     budget = config(offload_optimizer="nvme", nvme_path="/tmp", extra_zero={"host_budget_bytes": 1 << 30})
     assert not in_host(budget, 1 << 20)
     assert not in_host(config(offload_optimizer="cpu"), 1 << 20)
+
+
+@pytest.mark.parametrize("param", ["nvme", "none"])
+def test_an_unclipped_nvme_step_is_deferred_where_its_gradients_can_wait_in_host_memory(param):
+    """`balance_step_timing`: without a budget, a step that could run during backward runs before the next
+    forward instead where the gradients it then waits for fit the spare host memory; otherwise it keeps its
+    timing. Stages 1-2 over several ranks (replicated parameters, never gathered) keep stepping in backward."""
+    model = make_model("gpt")
+
+    def timing(cfg: dict, world: int = 1, available: int = 16 << 30) -> StepTiming:
+        c = load_config(cfg)
+        z = c.zero_optimization
+        plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
+        group_of = {id(p): 0 for p in model.parameters()}
+        placement = resolve_placement(c, torch.device("cpu"), world, client_optimizer=False)
+        return balance_step_timing(c, placement, plan, group_of, False, available).step_timing
+
+    unclipped = config(offload_param=param, offload_optimizer="nvme", nvme_path="/tmp", clip=0.0)
+    assert timing(unclipped) is StepTiming.BEFORE_NEXT_GATHER
+    assert timing(unclipped, available=4096) is StepTiming.DURING_BACKWARD  # they would not fit
+    budgeted = config(offload_param=param, offload_optimizer="nvme", nvme_path="/tmp", clip=0.0,
+                      extra_zero={"host_budget_bytes": 1 << 30})  # fmt: skip
+    assert timing(budgeted) is StepTiming.DURING_BACKWARD
+    clipped = config(offload_param=param, offload_optimizer="nvme", nvme_path="/tmp", clip=1.0)
+    assert timing(clipped) is StepTiming.BEFORE_NEXT_GATHER  # deferred already
+    stage2 = config(offload_optimizer="nvme", nvme_path="/tmp", clip=0.0, extra_zero={"stage": 2})
+    assert timing(stage2, world=2) is StepTiming.DURING_BACKWARD

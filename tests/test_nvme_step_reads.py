@@ -75,11 +75,21 @@ def _reads_per_step(engine) -> list[int]:
 def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_step(tmp_path, host_budget_mib):
     engine = _engine(tmp_path, host_budget_mib, clip=0.0)
     try:
-        assert engine.placement.step_in_backward and engine.placement.master_is_param
+        # without a budget the step is deferred into the next forward (memory_plan.balance_step_timing): the
+        # same reads, the master's by the step instead of by backward's gather
+        budgeted = host_budget_mib is not None
+        assert engine.placement.step_in_backward == budgeted and engine.placement.master_is_param
         read = _reads_per_step(engine)
-        assert engine.optimizer.stepped_in_backward > 0
+        assert (engine.optimizer.stepped_in_backward > 0) == budgeted
+        assert (engine.optimizer.stepped_when_needed > 0) == (not budgeted)
         params, moments = _nvme_bytes(engine, ShardKind.PARAM), _nvme_bytes(engine, ShardKind.MOMENTS)
-        assert read == [2 * params + moments] * STEPS
+        if budgeted:
+            assert read == [2 * params + moments] * STEPS
+        else:
+            # deferred (balance_step_timing): the first step's state is read in the next forward, every later
+            # one's in its own backward, in the order the window learnt; and here backward's parameter copies
+            # mostly stay in host memory until the step reads them as masters
+            assert sum(read) <= STEPS * (2 * params + moments) and read[-1] < 2 * params + moments, read
     finally:
         engine.close()
 

@@ -81,17 +81,15 @@ def run(args: argparse.Namespace) -> int:
             f"{format_bytes(need.nvme_bytes):>14} {format_bytes(row.collective_bytes):>14}  "
             f"{'yes' if row.fits else 'no'}"
         )
-    if clip or args.accumulation > 1:
-        print(
-            "Rows with the optimizer on NVMe keep the gradients that wait for the step there, as a run with "
-            "zero_optimization.host_budget_bytes does; without a budget they wait in host memory instead where "
-            "they fit a quarter of what is available (per rank)."
-        )
-    if clip:
-        print(
-            "Their host figures hold offload_optimizer.buffer_count shards of optimizer state; without a budget a "
-            "clipped step may hold more, up to what is left of that quarter, to read its state during backward."
-        )
+    waiting = "keep the gradients that wait for the step there" if clip or args.accumulation > 1 else (
+        "step each shard as its gradient arrives"
+    )
+    print(
+        f"Rows with the optimizer on NVMe {waiting} and hold offload_optimizer.buffer_count shards of its state in "
+        "host memory, as a run with zero_optimization.host_budget_bytes does. Without a budget, where the "
+        "gradients fit a quarter of the memory available (per rank), they wait in host memory, the step runs "
+        "before each shard's next forward, and its window grows into what is left of that quarter."
+    )
     best = preferred(rows)
     print(
         f"Best fit here: {choice_name(best.key)}, the least traffic of those that fit"

@@ -55,7 +55,7 @@ class OffloadOptimizerConfig:
     buffer_count: int = option(
         4,
         min_value=1,
-        doc="shards of optimizer state in host memory at once (on NVMe); a step deferred by clipping or fp16 "
+        doc="shards of optimizer state in host memory at once (on NVMe); a step deferred into the next forward "
         "holds more where no host_budget_bytes is set and memory is spare",
     )
     pipeline_read: bool = option(

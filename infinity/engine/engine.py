@@ -24,6 +24,7 @@ from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.host_memory import huge_pages_notice
 from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import (
+    balance_step_timing,
     check_host_budget,
     grads_wait_in_host,
     home_bytes,
@@ -99,10 +100,13 @@ class InfinityEngine(EngineStateIO):
 
         groups = plan_groups(model, cfg.optimizer, model_parameters, optimizer)
         plan = plan_blocks(model, z.block_classes, z.block_size_elems, z.stage3_param_persistence_threshold)
+        available = available_host_bytes()
+        self.placement = balance_step_timing(
+            cfg, self.placement, plan, groups.group_of, optimizer is not None, available
+        )
         layout = (plan, groups.group_of, self.placement, cfg.gradient_accumulation_steps, z.sub_group_size)
         on_nvme, held = home_bytes(*layout), home_bytes(*layout, grads_in_host=True)
         waiting_grads = on_nvme[Tier.NVME] - held[Tier.NVME]
-        available = available_host_bytes()
         self.grads_in_host = grads_wait_in_host(z, self.placement, waiting_grads, available)
         held_grads = waiting_grads if self.grads_in_host else 0
         spare = spare_host_bytes(z, self.placement, held_grads, available)

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from infinity.config import ConfigError, ZeroConfig
+from infinity.config import ConfigError, InfinityConfig, ZeroConfig
 from infinity.estimator.machine import available_host_bytes
 from infinity.optim.steppers import NativeStepper
 from infinity.partition import BlockPlan
@@ -21,7 +21,7 @@ from infinity.partition.blocks import flat_groups
 from infinity.partition.flat_param import SHARD_ALIGN_ELEMS, FlatParam
 from infinity.scheduler import BlockScheduler
 from infinity.shards.moments import moment_format
-from infinity.shards.policy import Placement, StepTiming
+from infinity.shards.policy import Placement, StepTiming, resolve_placement
 from infinity.shards.store import ShardStore
 from infinity.storage import ALIGN, Tier, TierBudgets
 
@@ -144,6 +144,31 @@ def spare_host_bytes(z: ZeroConfig, placement: Placement, held_grad_bytes: int, 
         return 0
     available = available_host_bytes() if available is None else available
     return max(0, available // (4 * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) - held_grad_bytes)
+
+
+def balance_step_timing(
+    cfg: InfinityConfig,
+    placement: Placement,
+    plan: BlockPlan,
+    group_of: dict[int, int],
+    client_optimizer: bool,
+    available: int | None = None,
+) -> Placement:
+    """The placement to run. An NVMe step that would run during backward is deferred into the next forward
+    instead where no `host_budget_bytes` is set and the gradients it then waits for fit in host memory
+    (`grads_wait_in_host`): backward reads its state (`deferred_step_window`) and the forward writes it back,
+    where stepping during backward moved all of it in backward while the forward only read parameters."""
+    z = cfg.zero_optimization
+    if placement.step_timing is not StepTiming.DURING_BACKWARD or z.host_budget_bytes is not None:
+        return placement
+    deferred = resolve_placement(
+        cfg, placement.compute_device, placement.world_size, client_optimizer, defer_step=True
+    )
+    if deferred.step_timing is not StepTiming.BEFORE_NEXT_GATHER:
+        return placement
+    layout = (plan, group_of, deferred, cfg.gradient_accumulation_steps, z.sub_group_size)
+    waiting = home_bytes(*layout)[Tier.NVME] - home_bytes(*layout, grads_in_host=True)[Tier.NVME]
+    return deferred if grads_wait_in_host(z, deferred, waiting, available) else placement
 
 
 def grads_wait_in_host(z: ZeroConfig, placement: Placement, waiting_bytes: int, available: int | None = None) -> bool:

@@ -134,8 +134,10 @@ def _choice(
         raise ValueError(f"ranks={ranks} and accumulation={accumulation} must be >= 1, dtype_bytes={dtype_bytes} "
                          "2 (bf16/fp16) or 4 (fp32)")  # fmt: skip
     # On NVMe the step runs as each shard's final gradient arrives, its gradient never written, unless it must
-    # wait for the global norm (clipping, fp16) or micro-batches accumulate (shards.policy.StepTiming).
-    grads_wait = clip or accumulation > 1
+    # wait for the global norm (clipping, fp16) or micro-batches accumulate (shards.policy.StepTiming), or the
+    # gradients can wait in host memory: a run without a budget then defers the step to balance its I/O
+    # (engine.memory_plan.balance_step_timing).
+    grads_wait = clip or accumulation > 1 or grads_in_host
     # one micro-batch's gradient waits in the compute dtype (communication_data_type at its default)
     grad_bytes = dtype_bytes if accumulation == 1 else 4
     return _Choice(

@@ -115,9 +115,11 @@ def memory_device(tier: Tier, compute_device: torch.device) -> torch.device | No
 
 
 def resolve_placement(
-    cfg: InfinityConfig, compute_device: torch.device, world_size: int, client_optimizer: bool
+    cfg: InfinityConfig, compute_device: torch.device, world_size: int, client_optimizer: bool, defer_step: bool = False
 ) -> Placement:
-    """The policy for `cfg` (batch sizes and "auto" already resolved) on this machine and world size."""
+    """The policy for `cfg` (batch sizes and "auto" already resolved) on this machine and world size.
+    `defer_step`: the native stepper's step runs just before the next gather even where it could run during
+    backward (the engine's choice: `memory_plan.balance_step_timing`)."""
     z = cfg.zero_optimization
     dtype = _DTYPES[cfg.compute_dtype_name]
     if z.stage not in (1, 2, 3):
@@ -151,14 +153,16 @@ def resolve_placement(
     # The native stepper moves state over a link slower than the compute (NVMe; host memory under a GPU):
     # its shards are stepped where that traffic overlaps compute. With nothing global to wait for (a
     # clipping norm, an overflow check, a client optimizer's hyper-parameters set at step time), during
-    # backward; otherwise just before the next forward gathers each shard. Resident parameters are never
+    # backward (unless the engine chose `defer_step`); otherwise just before the next forward gathers each
+    # shard. Resident parameters are never
     # gathered: their block's pre-forward settles the step instead, where the host computes from them (the
     # step writes them in place) and no other update is owed to them (stages 1-2 share partitions then).
     overlap = stepper is StepperKind.NATIVE and (optim_home is Tier.NVME or compute_device.type == "cuda")
     settle_resident = resident and host_is_compute and world_size == 1
-    if overlap and not needs_norm and not client_optimizer:
+    deferrable = not resident or settle_resident
+    if overlap and not needs_norm and not client_optimizer and not (defer_step and deferrable):
         step_timing = StepTiming.DURING_BACKWARD
-    elif overlap and (not resident or settle_resident):
+    elif overlap and deferrable:
         step_timing = StepTiming.BEFORE_NEXT_GATHER
     malloc = MallocTuning.NONE
     if compute_device.type == "cpu" and Tier.NVME in (param_home, optim_home):
