@@ -154,9 +154,9 @@ def resolve_placement(
     # its shards are stepped where that traffic overlaps compute. With nothing global to wait for (a
     # clipping norm, an overflow check, a client optimizer's hyper-parameters set at step time), during
     # backward (unless the engine chose `defer_step`); otherwise just before the next forward gathers each
-    # shard. Resident parameters are never
-    # gathered: their block's pre-forward settles the step instead, where the host computes from them (the
-    # step writes them in place) and no other update is owed to them (stages 1-2 share partitions then).
+    # shard. Resident parameters are never gathered: their block's pre-forward settles the step instead,
+    # where the host computes from them (the step writes them in place) and no other update is owed to them
+    # (stages 1-2 share partitions then).
     overlap = stepper is StepperKind.NATIVE and (optim_home is Tier.NVME or compute_device.type == "cuda")
     settle_resident = resident and host_is_compute and world_size == 1
     deferrable = not resident or settle_resident
