@@ -91,8 +91,6 @@ class TorchFusedStepper:
             self._lend_all()
         active = [self._lent[f] for f in flats]
         for lent in active:
-            if grad_scale != 1.0:
-                lent.grad.mul_(grad_scale)
             lent.master.grad = lent.grad
             # the store owns step counts (checkpoints restore them); torch adds one as it steps
             self._torch_opt.state[lent.master]["step"].fill_(self.shards.records[lent.flat].step)
@@ -100,6 +98,11 @@ class TorchFusedStepper:
             hyper = self.hyper(group["group"])
             for key in ("lr", "betas", "eps", "weight_decay"):
                 group[key] = hyper[key]
+        # torch's fused kernel divides each gradient by `grad_scale` as it reads it (as AMP unscales), which
+        # saves a pass over the gradients of its own
+        scale = None if grad_scale == 1.0 or not active else 1.0 / grad_scale
+        device = active[0].master.device if active else None
+        self._torch_opt.grad_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=device)
         self._torch_opt.step()
         for lent in active:
             self.shards.records[lent.flat].step += 1
