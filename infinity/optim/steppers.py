@@ -100,9 +100,10 @@ class TorchFusedStepper:
                 group[key] = hyper[key]
         # torch's fused kernel divides each gradient by `grad_scale` as it reads it (as AMP unscales), which
         # saves a pass over the gradients of its own
-        scale = None if grad_scale == 1.0 or not active else 1.0 / grad_scale
-        device = active[0].master.device if active else None
-        self._torch_opt.grad_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=device)
+        inverse = None
+        if grad_scale != 1.0 and active:
+            inverse = torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=active[0].master.device)
+        self._torch_opt.grad_scale = inverse
         self._torch_opt.step()
         for lent in active:
             self.shards.records[lent.flat].step += 1
