@@ -39,6 +39,27 @@ def _config(offload_param: str, dtype: str, grad_accum: int, nvme_path: str) -> 
     )
 
 
+def _nvme_reads(engine) -> list[tuple[str, str]]:
+    """A list that receives the key of every read from NVMe from now on (the engine still counts each move)."""
+    reads: list[tuple[str, str]] = []
+    count = engine.moves.record
+
+    def record(event) -> None:
+        if event.src == "nvme":
+            reads.append(event.key)
+        count(event)
+
+    engine.moves.record = record
+    return reads
+
+
+def _wait_until_in_host(store, keys: set, timeout_s: float = 30) -> None:
+    """Wait for reads started without waiting (the stepper's read-ahead) to land these keys in host memory."""
+    deadline = time.monotonic() + timeout_s
+    while not all("host" in store.tiers.tiers_holding(k) for k in keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize(
     "world,offload_param,dtype,grad_accum",
     [*itertools.product([1, 2], ["nvme", "none"], ["fp32"], [1, 2]), (1, "nvme", "bf16", 1), (2, "nvme", "bf16", 2)],
@@ -148,15 +169,7 @@ def test_the_state_a_deferred_step_takes_first_is_read_during_backward_and_once(
     cfg = _config("none", dtype, 1, str(tmp_path))  # one rank, parameters in memory, optimizer on NVMe
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
     store = engine.shards
-    reads: list[tuple[str, str]] = []
-    count = engine.moves.record
-
-    def record(event) -> None:  # observes every move, then counts it as before
-        if event.src == "nvme":
-            reads.append(event.key)
-        count(event)
-
-    engine.moves.record = record
+    reads = _nvme_reads(engine)
     data = batches("gpt", MICRO_BS)
     losses = train_steps(engine, data, 1)  # the first deferred step: its order is the one expected next
     first = next(iter(store.records))  # the embedding: first in forward, its gradient last in backward
@@ -166,9 +179,7 @@ def test_the_state_a_deferred_step_takes_first_is_read_during_backward_and_once(
         _, loss = engine(x, y)  # settles the step owed since the last step()
         reads.clear()
         engine.backward(loss)
-        deadline = time.monotonic() + 30
-        while not all("host" in store.tiers.tiers_holding(k) for k in state_keys) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until_in_host(store, state_keys)
         assert state_keys <= set(reads)  # read during backward ...
         engine.step()
         engine.wait_for_weights()  # ... and the step, settled here, reads no state twice
@@ -197,15 +208,7 @@ def test_with_spare_host_memory_the_whole_deferred_step_reads_its_state_during_b
     assert not store.placement.master_is_param  # the fp32 master lives beside its moments, on NVMe
     kinds = (ShardKind.MASTER, ShardKind.MOMENTS)
     state_keys = {store.key(flat, kind) for flat in store.records for kind in kinds}
-    reads: list[tuple[str, str]] = []
-    count = engine.moves.record
-
-    def record(event) -> None:
-        if event.src == "nvme":
-            reads.append(event.key)
-        count(event)
-
-    engine.moves.record = record
+    reads = _nvme_reads(engine)
     data = batches("gpt", MICRO_BS)
     losses = train_steps(engine, data, 1)
     for _ in range(STEPS - 1):
@@ -213,9 +216,7 @@ def test_with_spare_host_memory_the_whole_deferred_step_reads_its_state_during_b
         _, loss = engine(x, y)
         reads.clear()
         engine.backward(loss)
-        deadline = time.monotonic() + 30
-        while not all("host" in store.tiers.tiers_holding(k) for k in state_keys) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until_in_host(store, state_keys)
         assert set(reads) == state_keys  # all of it during backward, before step() is called
         engine.step()
         engine.wait_for_weights()
