@@ -24,6 +24,9 @@ Per configuration (the JSON's "configs"):
   peak_rss_after_setup_bytes, peak_rss_bytes, max_peak_rss_bytes
                                      per rank VmHWM after setup and at the end; the largest rank's
   cpu_s                              per rank CPU time per step (all threads): wall >> cpu_s / threads is contention
+  sys_s, page_faults                 per rank, median per step: of cpu_s, the time in the kernel, and the minor
+                                     page faults (first touches of memory taken from the OS: their zeroing is most
+                                     of sys_s)
   init_s                             seconds to wrap the model (slowest rank)
   bytes_moved, stall_s               infinity, per rank, median per timed step of the engine's public counters
                                      (engine.bytes_moved per "from->to" pair, engine.stall_s)

@@ -176,8 +176,9 @@ def merge_ranks(records: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str
         "threads_per_rank": records[0]["threads"],
         "init_s": max(r["init_s"] for r in records),
         "model_params": records[0]["model_params"],
-        "cpu_s": [_median([s["cpu_s"] for s in r["steps"][warmup:] or r["steps"]]) for r in records],
     }
+    for key in ("cpu_s", "sys_s", "page_faults"):
+        out[key] = [_median([s.get(key, 0) for s in r["steps"][warmup:] or r["steps"]]) for r in records]
     for key in ("rss_at_start_bytes", "rss_after_build_bytes", "rss_after_setup_bytes", "peak_rss_after_setup_bytes",
                 "rss_after_steps_bytes", "peak_rss_bytes"):  # fmt: skip
         out[key] = [r[key] for r in records]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -72,10 +73,13 @@ def run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     for i in range(spec["warmup"] + spec["steps"]):
         x, y = next(batches)
         before = trainer.counters()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, usage = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         rec = trainer.step(x, y)
         rec["step_s"] = time.perf_counter() - start
         rec["cpu_s"] = time.process_time() - cpu_start
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        rec["sys_s"] = after.ru_stime - usage.ru_stime
+        rec["page_faults"] = after.ru_minflt - usage.ru_minflt
         rec.update(_delta(trainer.counters(), before))
         steps.append(rec)
         if rank == 0:
