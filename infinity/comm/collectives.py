@@ -9,10 +9,12 @@ rank too, so a tensor on the wrong side of the bus is an error naming it on a CP
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from infinity.comm.buffers import CollectiveBuffers
 
 # torch 2.13 renamed the flat-buffer collectives; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,13 +97,15 @@ class _SummedOnWait:
 
 @dataclass(frozen=True)
 class CommGroup:
-    """The data-parallel group: this rank, the world size, the torch process group (None if 1) and the
-    device every collective's tensors live on (`comm_device`)."""
+    """The data-parallel group: this rank, the world size, the torch process group (None if 1), the
+    device every collective's tensors live on (`comm_device`), and the host memory its gathers and
+    reductions reuse (`buffers`)."""
 
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None
     device: torch.device = torch.device("cpu")
+    buffers: CollectiveBuffers = field(default_factory=CollectiveBuffers, compare=False, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -200,7 +204,7 @@ class CommGroup:
             if peer == self.rank:
                 continue
             works.append(dist.isend(full.narrow(0, peer * n, n), dst=self._global_rank(peer), group=self.group))
-            buffer = torch.empty(n, dtype=full.dtype, device=full.device)
+            buffer = self.buffers.take(n, full.dtype, full.device)
             works.append(dist.irecv(buffer, src=self._global_rank(peer), group=self.group))
             received.append(buffer)
         mine = full.narrow(0, self.rank * n, n)

@@ -92,6 +92,8 @@ class InfinityEngine(EngineStateIO):
         if rank == 0 and notice is not None:  # every buffer a fresh mapping: see host_memory
             print(notice, file=sys.stderr)
         apply_process_settings(self.placement)
+        if z.host_budget_bytes is not None:  # host memory is the constraint: gathered memory goes back at once
+            self.comm.buffers.stop_keeping()
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0

@@ -108,7 +108,7 @@ class GradReducer:
 
     def _issue(self, block_name: str, flat: FlatParam, final: bool) -> None:
         device = flat.full.device
-        full = torch.empty(flat.padded_numel, dtype=self.reduce_dtype, device=device)
+        full = self.comm.buffers.take(flat.padded_numel, self.reduce_dtype, device)
         if flat.flat_grad(full) is None:  # every rank joins the collective, with or without gradients
             full.zero_()
         if self.scaling.before != 1.0:

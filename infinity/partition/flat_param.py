@@ -1,7 +1,8 @@
 """FlatParam: some parameters of one block as one flat buffer, of which each rank holds a 1/N shard.
 
-The full (unsharded) buffer is allocated once and its storage is resized to zero when resharded; the
-parameters are views into it while unsharded and empty tensors otherwise. Tensors autograd saved
+The full (unsharded) buffer's storage is filled with memory when gathered and emptied when resharded
+(`CollectiveBuffers`: kept for the next gather, in host memory); the parameters are views into it while
+unsharded and empty tensors otherwise. Tensors autograd saved
 during forward keep pointing at the same storage, so refilling it before backward makes them valid
 again (the technique FSDP1's flat parameter uses).
 
@@ -125,7 +126,7 @@ class FlatParam:
         if self.state is FlatState.RESIDENT:
             raise RuntimeError(f"{self.name} is resident: there is nothing to gather")
         if self.state is FlatState.SHARDED:
-            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+            self.comm.buffers.fill(self.full.untyped_storage(), self.padded_numel * self.full.element_size())
             self.install_views()
             self.state = FlatState.UNSHARDED
         with torch.no_grad():
@@ -138,7 +139,7 @@ class FlatParam:
             return
         for p in self.params:
             p.data = self._empty
-        self.full.untyped_storage().resize_(0)
+        self.comm.buffers.drain(self.full.untyped_storage())
         self.state = FlatState.SHARDED
 
     def flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -1,0 +1,141 @@
+"""CollectiveBuffers: a buffer is lent again only once nothing else holds it, a flat's storage gets a kept
+buffer's memory and gives it back, and real Gloo gathers and reductions running in reused memory are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_distributed
+from harness import config
+from toy_models import batches, make_model
+
+import infinity
+from infinity.comm import CollectiveBuffers, CommGroup
+
+pytestmark = pytest.mark.unit
+pytest_plugins = ["storage_fixtures"]  # disk_dir: a directory on a disk that takes O_DIRECT
+
+CPU = torch.device("cpu")
+
+
+def test_a_buffer_nobody_holds_is_lent_again_and_one_still_held_is_not():
+    buffers = CollectiveBuffers()
+    first = buffers.take(1000, torch.float32, CPU)
+    address = first.data_ptr()
+    kept = first.narrow(0, 10, 20)  # what a caller might keep: a view of the buffer
+    del first
+    second = buffers.take(1000, torch.float32, CPU)
+    assert second.data_ptr() != address  # `kept` still shares the first buffer
+    del kept, second
+    third = buffers.take(1000, torch.float32, CPU)
+    assert third.data_ptr() == address
+    assert buffers.kept_bytes == 2 * 1000 * 4
+
+
+def test_buffers_are_lent_by_size_in_bytes():
+    buffers = CollectiveBuffers()
+    a = buffers.take(1000, torch.float32, CPU)
+    a_address = a.data_ptr()
+    del a
+    b = buffers.take(999, torch.float32, CPU)
+    assert b.data_ptr() != a_address and b.numel() == 999
+    c = buffers.take(2000, torch.bfloat16, CPU)  # 4000 bytes, as the free fp32 one
+    assert c.data_ptr() == a_address and (c.dtype, c.numel()) == (torch.bfloat16, 2000)
+    del b, c
+    buffers.clear()
+    assert buffers.kept_bytes == 0
+
+
+def test_a_flats_storage_is_filled_with_a_kept_buffer_and_drained_back_and_its_views_see_the_memory():
+    buffers = CollectiveBuffers()
+    full = torch.arange(8, dtype=torch.float32)
+    view = full[2:6].view(2, 2)  # a view autograd saved in forward
+    storage = full.untyped_storage()
+    address = full.data_ptr()
+    buffers.drain(storage)  # resharded: the memory goes into the pool
+    assert storage.nbytes() == 0 and buffers.kept_bytes == 32
+    buffers.fill(storage, 32)  # gathered again: the same memory, in the same storage object
+    assert full.data_ptr() == address and buffers.kept_bytes == 0
+    full.copy_(torch.arange(8, dtype=torch.float32) * 10)
+    assert view.tolist() == [[20.0, 30.0], [40.0, 50.0]]
+    buffers.fill(torch.empty(0).untyped_storage(), 64)  # no kept buffer of that size: new memory
+    with pytest.raises(ValueError, match="empty storage"):
+        buffers.fill(storage, 32)
+
+
+def test_a_lent_buffer_is_not_moved_into_a_flat():
+    buffers = CollectiveBuffers()
+    lent = buffers.take(8, torch.float32, CPU)
+    storage = torch.empty(0).untyped_storage()
+    buffers.fill(storage, 32)
+    assert storage.data_ptr() != lent.data_ptr()
+
+
+def test_switched_off_it_keeps_nothing():
+    buffers = CollectiveBuffers(enabled=False)
+    storage = torch.empty(8).untyped_storage()
+    buffers.drain(storage)
+    buffers.take(8, torch.float32, CPU)
+    assert storage.nbytes() == 0 and buffers.kept_bytes == 0
+
+
+SHARD = 4096
+
+
+def _full(rank: int, world: int, round_: int) -> torch.Tensor:
+    return torch.arange(world * SHARD, dtype=torch.float32) * (rank + 1) + 1000.0 * rank + round_
+
+
+def _collectives_in_reused_memory(world: int) -> list[str]:
+    """Three rounds, each: two reductions in flight (inputs and receive buffers lent by the group's pool, as
+    the gradient reducer takes them) and a gather into a flat's storage filled from the pool. Every sum and
+    gather is exact, and later rounds run in the first round's memory."""
+    rank = dist.get_rank()
+    comm = CommGroup(rank, world, dist.group.WORLD)
+    failures, kept = [], []
+    flat = torch.empty(world * SHARD)
+    for round_ in range(3):
+        pending = []
+        for i in range(2):
+            full = comm.buffers.take(world * SHARD, torch.float32, CPU)
+            full.copy_(_full(rank, world, round_) * (i + 1))
+            pending.append(comm.reduce_scatter_in_background(full, f"round {round_} reduction {i}"))
+        for i, (shard, work) in enumerate(pending):
+            work.wait()
+            expected = sum(_full(r, world, round_) for r in range(world)).narrow(0, rank * SHARD, SHARD) * (i + 1)
+            if not torch.equal(shard, expected):
+                failures.append(f"round {round_} reduction {i} differs")
+        del pending, shard, work, full
+        comm.buffers.drain(flat.untyped_storage())
+        comm.buffers.fill(flat.untyped_storage(), world * SHARD * 4)
+        comm.all_gather(flat, torch.full((SHARD,), float(rank + round_)), f"round {round_} gather")
+        if not torch.equal(flat, torch.arange(world).repeat_interleave(SHARD).float() + round_):
+            failures.append(f"round {round_} gather differs")
+        kept.append(comm.buffers.kept_bytes)
+    if kept[0] != kept[-1]:
+        failures.append(f"the pool grew over the rounds: {kept}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathers_and_reductions_in_reused_memory_are_exact(world):
+    assert run_distributed(_collectives_in_reused_memory, world, world, timeout_s=60) == [[]] * world
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 30])
+def test_the_engine_keeps_gathered_memory_unless_a_host_budget_says_host_memory_is_the_constraint(budget, disk_dir):
+    """One rank with parameters on NVMe gathers (copies) every block; its memory stays in the pool between uses."""
+    extra_zero = {} if budget is None else {"host_budget_bytes": budget}
+    cfg = config("mlp", offload_param="nvme", nvme_path=str(disk_dir), extra_zero=extra_zero)
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
+    try:
+        x, y = next(batches("mlp", 2))
+        for _ in range(2):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        assert engine.comm.buffers.enabled is (budget is None)
+        assert (engine.comm.buffers.kept_bytes > 0) is (budget is None)  # the blocks' memory, between steps
+    finally:
+        engine.close()
