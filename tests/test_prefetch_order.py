@@ -336,6 +336,42 @@ def test_backward_prefetches_in_the_reverse_order_it_recorded(disk_dir):
     run.forward(grad=True)
     assert run.scheduler.backward_trace.order == [3, 2, 1, 0]
     assert run.calls(0, "fetch", backward=True) == [3, 2, 1, 0]  # recording: each at its use
-    assert run.calls(1, "fetch", backward=True) == [3, 2, 1, 0]
+    # block 3 stays gathered from its forward (backward's first block, 0 elements apart): not fetched again
+    assert run.calls(1, "fetch", backward=True) == [2, 1, 0]
     assert run.calls(1, "read_ahead", backward=True)[0] == [1, 0]  # at block 3: 2 is gathered, 1 and 0 read
+    run.close()
+
+
+def test_blocks_backwards_first_prefetch_would_gather_stay_gathered_from_their_forward(disk_dir):
+    """With a recorded backward, the blocks its first prefetch takes (the first block of backward and the
+    bucket after it) are not resharded after their forward: each is fetched once per step, and no more is
+    gathered at the turn than backward's first prefetch holds."""
+    run = _run(disk_dir, [S] * 5, bucket=2 * S, reuse=10**9, trainable=True)
+    run.forward(grad=True)
+    run.forward(grad=True)
+    run.forward(grad=True)
+    assert run.calls(0, "fetch", backward=True) == [4, 3, 2, 1, 0]  # no backward recorded yet: all again
+    for step in (1, 2):
+        assert run.calls(step, "fetch") == [0, 1, 2, 3, 4]
+        assert run.calls(step, "fetch", backward=True) == [1, 0]
+    assert run.use(2, 4).held == [2, 3]  # at the last block of forward: the two kept before it
+    assert run.scheduler.gathered_high_water_bytes <= 3 * S * 4  # the block computing and the bucket
+    assert all(b.state is BlockState.SHARDED for b in run.blocks)  # backward's end frees them
+    run.close()
+
+
+def test_a_reuse_distance_of_zero_keeps_only_the_first_block_of_backward(disk_dir):
+    run = _run(disk_dir, [S] * 4, bucket=2 * S, reuse=0, trainable=True)
+    run.forward(grad=True)
+    run.forward(grad=True)
+    assert run.calls(1, "fetch", backward=True) == [2, 1, 0]
+    run.close()
+
+
+def test_a_forward_without_gradients_keeps_nothing_for_backward(disk_dir):
+    run = _run(disk_dir, [S] * 4, bucket=2 * S, reuse=10**9, trainable=True)
+    run.forward(grad=True)
+    run.forward(grad=True)
+    run.forward()  # no_grad: every block freed at the end
+    assert all(b.state is BlockState.SHARDED for b in run.blocks)
     run.close()

@@ -98,7 +98,12 @@ class ZeroConfig:
     )
     stage3_param_persistence_threshold: int = option(100_000, min_value=0, allow_auto=True)
     stage3_max_live_parameters: int = option(1_000_000_000, min_value=0)
-    stage3_max_reuse_distance: int = option(1_000_000_000, min_value=0)
+    stage3_max_reuse_distance: int = option(
+        1_000_000_000,
+        min_value=0,
+        doc="elements: a block used again within this many gathered elements is not resharded in between "
+        "(within one forward, and from forward into the blocks backward's first prefetch takes)",
+    )
     stage3_gather_16bit_weights_on_model_save: bool = option(
         False, aliases=("stage3_gather_fp16_weights_on_model_save",)
     )

@@ -294,6 +294,7 @@ class InfinityEngine(EngineStateIO):
         self.optimizer.zero_grad()
         self.sharing.share(in_order)  # stages 1-2: arrives behind the next forward
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
+        self.scheduler.reshard_all()  # as are blocks a forward left gathered for a backward that never ran
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
             self._sync_hyperparameters(into_client=not self._client_is_truth)

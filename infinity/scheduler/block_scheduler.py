@@ -3,9 +3,10 @@
 Forward: a block is gathered in its pre-hook (waiting for its prefetch if one was issued), and the
 next blocks of the recorded order are prefetched up to `prefetch_bucket_elems`, never past
 `max_live_elems` gathered. After its forward the block is resharded unless it runs again within
-`max_reuse_distance_elems`. Backward: a hook on the block's outputs re-gathers it before its
-backward; once all its gradients have accumulated they go to `on_block_grads` and the block is
-resharded. The root's and persistent parameters stay gathered through forward and backward.
+`max_reuse_distance_elems`, or unless backward's first prefetch would gather it again (`backward_turn`).
+Backward: a hook on the block's outputs re-gathers it before its backward; once all its gradients have
+accumulated they go to `on_block_grads` and the block is resharded. The root's and persistent
+parameters stay gathered through forward and backward.
 
 A block's parameter read from outside the block (`param_access`) gathers the block then and there
 and enters the trace at that point, so the next step prefetches it. Read by a block, it is released
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from infinity.partition.sharded_block import ShardedBlock, ShardSource
+from infinity.scheduler.backward_turn import kept_for_backward
 from infinity.scheduler.gather_window import GatherWindow, Phase
 from infinity.scheduler.param_access import ExternalReads, install_param_access
 from infinity.scheduler.trace import ExecutionTrace
@@ -65,6 +67,7 @@ class BlockScheduler(GatherWindow):
         self._open_span: tuple[str, int] | None = None
         self._position: dict[int, int | None] = {}
         self._running: list[ShardedBlock] = []  # the root and the blocks whose forward is running, outermost first
+        self._kept_for_backward: set[int] = set()  # blocks this forward leaves gathered for backward
         self._external = ExternalReads()
         self._remove_param_access = install_param_access([*blocks, root, persistent], self._on_param_read)
         self._handles = [
@@ -115,8 +118,22 @@ class BlockScheduler(GatherWindow):
         self._running = [self.root]
         self._external.begin_call(self.root)
         self.forward_trace.start_pass()
+        self._kept_for_backward = self._plan_backward_turn() if torch.is_grad_enabled() else set()
         self._ensure_gathered(self.persistent)
         self._ensure_gathered(self.root)
+
+    def _plan_backward_turn(self) -> set[int]:
+        """The blocks to leave gathered at the end of their forward (`backward_turn`), from the last orders."""
+        if not (self.forward_trace.valid and self.backward_trace.valid):
+            return set()
+        return kept_for_backward(
+            self.forward_trace.order,
+            self.backward_trace.order,
+            lambda i: self.blocks[i].numel,
+            self.prefetch_bucket_elems,
+            self.max_live_elems,
+            self.max_reuse_distance_elems,
+        )
 
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
         if self.phase is not Phase.FORWARD:
@@ -171,6 +188,8 @@ class BlockScheduler(GatherWindow):
         if position is not None:
             distance = self.forward_trace.next_use_distance(position, block.index, lambda i: self.blocks[i].numel)
             if distance is not None and distance <= self.max_reuse_distance_elems:
+                return
+            if distance is None and block.index in self._kept_for_backward:  # its last forward use
                 return
         block.reshard()
 
