@@ -52,6 +52,9 @@ def test_a_flats_storage_is_filled_with_a_kept_buffer_and_drained_back_and_its_v
     full = torch.arange(8, dtype=torch.float32)
     view = full[2:6].view(2, 2)  # a view autograd saved in forward
     storage = full.untyped_storage()
+    buffers.drain(storage)  # memory the pool never gave (a flat's before its first gather): freed
+    assert storage.nbytes() == 0 and buffers.kept_bytes == 0
+    buffers.fill(storage, 32)  # gathered: new memory
     address = full.data_ptr()
     buffers.drain(storage)  # resharded: the memory goes into the pool
     assert storage.nbytes() == 0 and buffers.kept_bytes == 32
@@ -72,9 +75,27 @@ def test_a_lent_buffer_is_not_moved_into_a_flat():
     assert storage.data_ptr() != lent.data_ptr()
 
 
+def test_the_pool_keeps_no_more_than_was_filled_at_once():
+    buffers = CollectiveBuffers()
+    storages = [torch.UntypedStorage(0) for _ in range(3)]
+    for storage in storages:
+        buffers.fill(storage, 64)
+    for storage in storages:
+        buffers.drain(storage)
+    assert buffers.kept_bytes == 3 * 64
+    for _ in range(4):  # one at a time from now on: the same buffer each time, nothing new
+        buffers.fill(storages[0], 64)
+        buffers.drain(storages[0])
+    assert buffers.kept_bytes == 3 * 64
+    buffers.drain(torch.empty(16).untyped_storage())  # never filled: not kept
+    assert buffers.kept_bytes == 3 * 64
+
+
 def test_switched_off_it_keeps_nothing():
-    buffers = CollectiveBuffers(enabled=False)
-    storage = torch.empty(8).untyped_storage()
+    buffers = CollectiveBuffers()
+    storage = torch.UntypedStorage(0)
+    buffers.fill(storage, 32)
+    buffers.stop_keeping()
     buffers.drain(storage)
     buffers.take(8, torch.float32, CPU)
     assert storage.nbytes() == 0 and buffers.kept_bytes == 0
@@ -90,7 +111,7 @@ def _full(rank: int, world: int, round_: int) -> torch.Tensor:
 def _collectives_in_reused_memory(world: int) -> list[str]:
     """Three rounds, each: two reductions in flight (inputs and receive buffers lent by the group's pool, as
     the gradient reducer takes them) and a gather into a flat's storage filled from the pool. Every sum and
-    gather is exact, and later rounds run in the first round's memory."""
+    gather is exact, and later rounds run in the earlier rounds' memory."""
     rank = dist.get_rank()
     comm = CommGroup(rank, world, dist.group.WORLD)
     failures, kept = [], []
@@ -113,7 +134,7 @@ def _collectives_in_reused_memory(world: int) -> list[str]:
         if not torch.equal(flat, torch.arange(world).repeat_interleave(SHARD).float() + round_):
             failures.append(f"round {round_} gather differs")
         kept.append(comm.buffers.kept_bytes)
-    if kept[0] != kept[-1]:
+    if kept[1] != kept[2]:  # (the flat's first memory was not the pool's: round 0 fills it anew)
         failures.append(f"the pool grew over the rounds: {kept}")
     return failures
 
@@ -130,6 +151,7 @@ def test_the_engine_keeps_gathered_memory_unless_a_host_budget_says_host_memory_
     cfg = config("mlp", offload_param="nvme", nvme_path=str(disk_dir), extra_zero=extra_zero)
     engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
     try:
+        assert engine.comm.buffers.kept_bytes == 0  # the flats' memory from before sharding was freed
         x, y = next(batches("mlp", 2))
         for _ in range(2):
             _, loss = engine(x, y)

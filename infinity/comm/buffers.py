@@ -31,6 +31,7 @@ class CollectiveBuffers:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and _use_count is not None and _can_move
         self._holders: list[torch.UntypedStorage] = []
+        self._filled: dict[int, int] = {}  # storages `fill` gave memory to and `drain` has not taken back, by size
 
     def _reuses(self, device: torch.device) -> bool:
         return self.enabled and device.type == "cpu"
@@ -59,6 +60,7 @@ class CollectiveBuffers:
         if not self._reuses(storage.device):
             storage.resize_(nbytes)
             return
+        self._filled[nbytes] = self._filled.get(nbytes, 0) + 1
         holder = self._free_holder(nbytes)
         if holder is None:
             storage.resize_(nbytes)
@@ -67,17 +69,21 @@ class CollectiveBuffers:
         storage._swap_data_ptr_(holder)
 
     def drain(self, storage: torch.UntypedStorage) -> None:
-        """Take `storage`'s memory back into the pool; `storage` is left empty."""
-        if not self._reuses(storage.device) or storage.nbytes() == 0:
+        """Take `storage`'s memory back into the pool if `fill` gave it (else free it: a flat's memory from
+        before its first gather); `storage` is left empty."""
+        nbytes = storage.nbytes()
+        if not self._reuses(storage.device) or not self._filled.get(nbytes):
             storage.resize_(0)
             return
+        self._filled[nbytes] -= 1
         holder = torch.UntypedStorage(0, device=storage.device)
         holder._swap_data_ptr_(storage)
         self._holders.append(holder)
 
     def clear(self) -> None:
-        """Let every kept buffer go (those lent out stay with their borrowers)."""
+        """Let every kept buffer go (those lent out stay with their borrowers, and are freed when drained)."""
         self._holders = []
+        self._filled = {}
 
     def stop_keeping(self) -> None:
         """From now on every buffer comes from malloc and goes back to it (a run whose host memory is the
