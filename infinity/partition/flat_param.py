@@ -2,9 +2,9 @@
 
 The full (unsharded) buffer's storage is filled with memory when gathered and emptied when resharded
 (`CollectiveBuffers`: kept for the next gather, in host memory); the parameters are views into it while
-unsharded and empty tensors otherwise. Tensors autograd saved
-during forward keep pointing at the same storage, so refilling it before backward makes them valid
-again (the technique FSDP1's flat parameter uses).
+unsharded and empty tensors otherwise. Tensors autograd saved during forward keep pointing at the same
+storage, so refilling it before backward makes them valid again (the technique FSDP1's flat parameter
+uses).
 
 A flat is in one `FlatState`: SHARDED (no full buffer), UNSHARDED (gathered until resharded), or
 RESIDENT: the full buffer is permanent memory the shard store owns (one rank whose shard lives where
