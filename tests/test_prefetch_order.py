@@ -372,6 +372,8 @@ def test_a_forward_without_gradients_keeps_nothing_for_backward(disk_dir):
     run = _run(disk_dir, [S] * 4, bucket=2 * S, reuse=10**9, trainable=True)
     run.forward(grad=True)
     run.forward(grad=True)
-    run.forward()  # no_grad: every block freed at the end
+    run.forward()  # no_grad: no backward follows
+    assert run.use(1, 3).held == [1, 2]  # with gradients: kept for backward (3 first, then 2 and 1 in 2S)
+    assert run.use(2, 3).held == []  # without: each resharded after its forward
     assert all(b.state is BlockState.SHARDED for b in run.blocks)
     run.close()
