@@ -3,7 +3,7 @@
 Every gather fills a block's flat and every reduction fills an input and receive buffers, a block at a
 time. Taken from malloc and given back each time, that memory keeps going back to the OS and the kernel
 zeroes it again on first touch: two ranks training the 110M GPT in fp32 on two cores took 40,000-110,000
-minor page faults per rank and step that way (DDP: up to 55,000). Kept here, each buffer is touched once.
+minor page faults per rank and step that way (DDP: up to about 60,000). Kept here, each buffer is touched once.
 The pool holds at most what was in use at once (the gather window and the reductions in flight).
 
 Two ways to borrow: `fill`/`drain` move a buffer's memory into a flat's own storage and back (the
