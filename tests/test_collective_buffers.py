@@ -19,6 +19,12 @@ pytest_plugins = ["storage_fixtures"]  # disk_dir: a directory on a disk that ta
 CPU = torch.device("cpu")
 
 
+def test_the_private_torch_apis_the_pool_relies_on_behave_as_it_assumes_on_this_torch():
+    from infinity.comm import buffers
+
+    assert buffers._private_apis_behave() and CollectiveBuffers().enabled
+
+
 def test_a_buffer_nobody_holds_is_lent_again_and_one_still_held_is_not():
     buffers = CollectiveBuffers()
     first = buffers.take(1000, torch.float32, CPU)

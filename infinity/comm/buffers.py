@@ -17,19 +17,39 @@ from __future__ import annotations
 import torch
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
-_can_move = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def _private_apis_behave() -> bool:
+    """Both private torch APIs the pool relies on exist and do what it assumes, checked on a few bytes: a
+    storage's user count sees a tensor on it, and `_swap_data_ptr_` moves memory and size together. A
+    torch where either changed gets no pool (a wrong count would lend memory still in use)."""
+    if _use_count is None or not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    holder = torch.UntypedStorage(8)
+    alone = _use_count(holder._cdata)
+    lent = torch.empty(0, dtype=torch.uint8).set_(holder, 0, (8,))
+    shared = _use_count(holder._cdata)
+    del lent
+    empty = torch.UntypedStorage(0)
+    address = holder.data_ptr()
+    empty._swap_data_ptr_(holder)
+    moved = empty.nbytes() == 8 and empty.data_ptr() == address and holder.nbytes() == 0
+    return alone == 1 and shared == 2 and _use_count(empty._cdata) == 1 and moved
+
+
+_APIS_BEHAVE = _private_apis_behave()
 
 
 def _unused(holder: torch.UntypedStorage) -> bool:
-    """Nothing but the pool holds `holder` (where torch cannot say, assume it is held)."""
-    return _use_count is not None and _use_count(holder._cdata) == 1
+    """Nothing but the pool holds `holder`."""
+    return _use_count(holder._cdata) == 1
 
 
 class CollectiveBuffers:
     """Buffers by size in bytes, for host memory only (a GPU's caching allocator reuses memory already)."""
 
     def __init__(self) -> None:
-        self.enabled = _use_count is not None and _can_move
+        self.enabled = _APIS_BEHAVE
         self._holders: list[torch.UntypedStorage] = []
         self._filled: dict[int, int] = {}  # storages `fill` gave memory to and `drain` has not taken back, by size
 
