@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import assert_weights_close, config, reference_for
+from dist import run_distributed
+from harness import assert_weights_close, config, mean_losses, reference_for
 from toy_models import batches, make_model
 
 import infinity
@@ -87,6 +88,46 @@ def test_without_a_host_budget_waiting_gradients_never_touch_the_disk(tmp_path, 
     assert grad_moves == []
     assert engine.tiers.high_water_bytes(Tier.NVME) == engine.nvme_bytes_planned  # no slot made for them
     _check_against_plain_pytorch(engine, losses, clip, grad_accum)
+
+
+def _held_memory_on_two_ranks(nvme_path: str) -> dict:
+    """Train two ranks with the NVMe optimizer's step deferred (no clipping, no budget: gradients held);
+    after each backward, per held gradient: how many bytes its storage holds past its own (0: a copy; a small
+    shard is held as the view it is) and whether its memory is the group's pool's."""
+    engine, _ = _engine(nvme_path, 0.0, 1)
+    data = batches("gpt", MICRO_BS, rank=torch.distributed.get_rank(), world_size=2)
+    losses, held = [], []
+    for _ in range(STEPS):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        pool = {h.data_ptr() for h in engine.comm.buffers._holders}  # (lent out or not)
+        held.append(
+            [
+                (g.untyped_storage().nbytes() - g.numel() * g.element_size(), g.untyped_storage().data_ptr() in pool)
+                for g in engine.shards._held_grads.values()
+            ]
+        )
+        engine.step()
+        losses.append(loss.item())
+    engine.wait_for_weights()
+    state = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "held": held, "state": state}
+
+
+def test_on_two_ranks_held_gradients_are_copied_out_of_the_reduction_into_the_groups_kept_memory(tmp_path):
+    """A reduced shard is a view of the reduction's whole input (every rank's slice): holding the view would
+    keep all of it, so the held gradient is a copy, made in the group's kept buffers (memory the pool reuses,
+    not fresh pages for the kernel to zero each step), and the result is still that of plain PyTorch."""
+    results = run_distributed(_held_memory_on_two_ranks, 2, str(tmp_path), timeout_s=120)
+    for r in results:
+        for step in r["held"]:
+            assert sum(extra == 0 for extra, _ in step) >= 3  # the blocks' and the root's, copied
+            assert all(in_pool and extra <= 8192 for extra, in_pool in step)
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS * 2, clip=0.0)
+    assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5)
+    assert_weights_close(results[0]["state"], ref_state)
 
 
 def test_under_a_host_budget_waiting_gradients_go_to_their_nvme_home(tmp_path):

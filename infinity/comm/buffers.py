@@ -4,7 +4,8 @@ Every gather fills a block's flat and every reduction fills an input and receive
 time. Taken from malloc and given back each time, that memory keeps going back to the OS and the kernel
 zeroes it again on first touch: two ranks training the 110M GPT in fp32 on two cores took 40,000-110,000
 minor page faults per rank and step that way (DDP: up to about 60,000). Kept here, each buffer is touched once.
-The pool holds at most what was in use at once (the gather window and the reductions in flight).
+The pool holds at most what was in use at once (the gather window, the reductions in flight, and the
+gradient shards a deferred NVMe step holds in host memory, copied out of their reductions).
 
 Two ways to borrow: `fill`/`drain` move a buffer's memory into a flat's own storage and back (the
 storage object stays the one autograd's saved views point at), and `take` lends a tensor on a buffer

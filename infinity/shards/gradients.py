@@ -184,7 +184,8 @@ class GradientAccumulators:
         if self.held_grad_bytes + nbytes > self.grad_hold_bytes:
             return False
         if grad.untyped_storage().nbytes() > nbytes + 2 * ALIGN:  # a view of a larger buffer (a reduction's)
-            grad = grad.clone()
+            # copied into the group's kept memory: fresh pages each step cost the kernel's zeroing
+            grad = self.comm.buffers.take(grad.numel(), grad.dtype, grad.device).copy_(grad)
         key = self.key(flat, ShardKind.GRAD)
         if key in self.tiers:  # its slot holds an older step's gradient: nobody may read that
             self.tiers.drop(key)
