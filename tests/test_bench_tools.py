@@ -101,3 +101,19 @@ def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp
     assert len(ours["step_times_s"]) == 2 and ours["ratio_to_plain"] > 0
     assert all(b >= a for a, b in zip(ours["rss_after_setup_bytes"], ours["peak_rss_bytes"], strict=True))
     assert not list(tmp_path.iterdir()), "the run's scratch folder is removed"
+
+
+def test_bench_memory_reports_the_kept_buffers_apart_from_the_sharded_state(tmp_path):
+    """Two ranks keep gathered blocks' memory between steps (one rank gathers nothing); the summary reports it
+    per rank and the state ratio without it."""
+    cmd = [sys.executable, str(TOOLS / "bench_memory.py"), "--n-embd", "64", "--n-layer", "2", "--n-head", "2",
+           "--steps", "2", "--configs", "infinity_z3_none"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    many, one = summary["rows"]["infinity_z3_none"], summary["rows"]["infinity_z3_none@1rank"]
+    assert len(many["kept_buffer_bytes"]) == 2 and min(many["kept_buffer_bytes"]) > 0
+    assert one["kept_buffer_bytes"] == [0]
+    sharded = max(s - k for s, k in zip(many["state_bytes"], many["kept_buffer_bytes"], strict=True))
+    assert summary["infinity_sharded_state_ratio"] == sharded / max(one["state_bytes"])
+    assert not list(tmp_path.iterdir()), "the run's scratch folder is removed"

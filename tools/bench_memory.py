@@ -12,10 +12,13 @@ Per configuration and rank:
     peak_rss_bytes           VmHWM at the end (model construction included: every rank builds it in full)
     state_bytes              rss_after_steps - rss_at_start: what the model, its gradients and optimizer
                              state (and whatever the heap kept) added
+    kept_buffer_bytes        infinity: of state_bytes, the host memory its engine keeps between steps for
+                             gathers, reductions and held gradients (engine.kept_buffer_bytes): a window of
+                             whole blocks, not sharded
 
 `ratio_to_fsdp2` divides the largest rank's figure by FSDP2's largest rank's; `infinity_state_ratio`
 is infinity's per-rank state_bytes on N ranks over its state_bytes on one rank (1/N if the model
-state shards perfectly).
+state shards perfectly), and `infinity_sharded_state_ratio` the same without kept_buffer_bytes.
 
     python tools/bench_memory.py [--ranks 2] [--n-embd 1024] [--n-layer 24] [--steps 2] [--configs ...]
 
@@ -69,6 +72,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     out = {k: record[k] for k in ("ranks", "rss_at_start_bytes", *FIGURES, "model_params", "losses")}
     out["state_bytes"] = [a - b for a, b in zip(record["rss_after_steps_bytes"], record["rss_at_start_bytes"],
                                                  strict=True)]  # fmt: skip
+    if "kept_buffer_bytes" in record:
+        out["kept_buffer_bytes"] = record["kept_buffer_bytes"]
     return out
 
 
@@ -111,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         gib = {k.removesuffix("_bytes"): " ".join(f"{v / 2**30:.2f}" for v in row[k])
                for k in (*FIGURES, "state_bytes")}  # fmt: skip
+        kept = " ".join(f"{v / 2**30:.2f}" for v in row.get("kept_buffer_bytes", []))
+        kept = f" (kept buffers {kept})" if kept else ""
         print(f"{name:28s} GiB per rank: setup {gib['rss_after_setup']}, after steps {gib['rss_after_steps']}, "
-              f"peak {gib['peak_rss']}, state {gib['state']}")  # fmt: skip
+              f"peak {gib['peak_rss']}, state {gib['state']}{kept}")  # fmt: skip
     params = next((r["model_params"] for r in rows.values() if "model_params" in r), None)
     summary: dict[str, Any] = {
         "rows": rows,
@@ -127,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "state_bytes" in one and "state_bytes" in many:
         summary["infinity_state_ratio"] = max(many["state_bytes"]) / max(one["state_bytes"])
+        if "kept_buffer_bytes" in one and "kept_buffer_bytes" in many:
+            sharded = [s - k for s, k in zip(many["state_bytes"], many["kept_buffer_bytes"], strict=True)]
+            summary["infinity_sharded_state_ratio"] = max(sharded) / max(
+                s - k for s, k in zip(one["state_bytes"], one["kept_buffer_bytes"], strict=True)
+            )
     print(json.dumps(summary))
     return 0
 

@@ -30,6 +30,9 @@ Per configuration (the JSON's "configs"):
   init_s                             seconds to wrap the model (slowest rank)
   bytes_moved, stall_s               infinity, per rank, median per timed step of the engine's public counters
                                      (engine.bytes_moved per "from->to" pair, engine.stall_s)
+  kept_buffer_bytes                  infinity, per rank after all steps: host memory kept between uses for
+                                     gathers, reductions and held gradients (engine.kept_buffer_bytes; part of
+                                     rss_after_steps_bytes)
   engine_s                           with --engine-timers only: rank 0's time inside engine internals
                                      (benchlib.trainers.instrument_engine_internals)
 

@@ -318,6 +318,12 @@ class InfinityEngine(EngineStateIO):
         return moved
 
     @property
+    def kept_buffer_bytes(self) -> int:
+        """Host memory kept between uses for gathers, gradient reductions and held gradients, lent out or not
+        (`comm.buffers`: none under an explicit `host_budget_bytes`)."""
+        return self.comm.buffers.kept_bytes
+
+    @property
     def stall_s(self) -> float:
         """Seconds compute waited for a block's weights to arrive."""
         return self.scheduler.stall_s

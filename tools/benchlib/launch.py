@@ -183,6 +183,8 @@ def merge_ranks(records: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str
                 "rss_after_steps_bytes", "peak_rss_bytes"):  # fmt: skip
         out[key] = [r[key] for r in records]
     out["max_peak_rss_bytes"] = max(out["peak_rss_bytes"])
+    if "kept_buffer_bytes" in records[0]:
+        out["kept_buffer_bytes"] = [r["kept_buffer_bytes"] for r in records]
     if "stall_s" in lead[0]:
         out["stall_s"] = [_median([s["stall_s"] for s in r["steps"][warmup:] or r["steps"]]) for r in records]
         out["bytes_moved"] = []

@@ -87,6 +87,9 @@ def run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             print(f"[{spec['name']}] step {i} {kind} {rec['step_s']:.3f} s loss {rec['loss']:.4f}", flush=True)
     record["rss_after_steps_bytes"] = rss_bytes()
     record["peak_rss_bytes"] = peak_rss_bytes()
+    kept = trainer.counters().get("kept_buffer_bytes")
+    if kept is not None:
+        record["kept_buffer_bytes"] = kept
     missing = trainer.counters().get("engine_timers_missing")
     if missing:
         record["engine_timers_missing"] = missing

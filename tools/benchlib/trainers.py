@@ -221,7 +221,8 @@ def _infinity(model: torch.nn.Module, cfg: TrainConfig, opts: StepOptions) -> Tr
         return out
 
     def counters() -> dict[str, Any]:  # the engine's public counters, cumulative
-        out = {"bytes_moved": dict(engine.bytes_moved), "stall_s": engine.stall_s}
+        out = {"bytes_moved": dict(engine.bytes_moved), "stall_s": engine.stall_s,
+               "kept_buffer_bytes": engine.kept_buffer_bytes}  # fmt: skip
         if timer is not None and timer.missing:
             out["engine_timers_missing"] = timer.missing
         return out
