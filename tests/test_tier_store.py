@@ -230,6 +230,37 @@ def test_evict_moves_the_home_down_and_drop_frees_every_tier(disk_dir: Path) -> 
         assert [store.live_bytes(tier) for tier in Tier] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_evicting_a_copy_that_a_write_reads_does_not_wait_for_the_write(disk_dir: Path, held: bool) -> None:
+    """A forward gather evicts the parameter shard's host copy that the deferred step's write to NVMe still
+    reads (that write may queue behind reads of later blocks): evict returns at once, and the copy is freed
+    when the write is done, unless someone still holds it then (as an eviction after the write would)."""
+    with _store(disk_dir) as store:
+        store.put("p", _shard(300_000, torch.float32), "nvme").wait()
+        host = store.fetch("p", "host").wait()
+        new = _shard(300_000, torch.float32)
+        host.copy_(new)
+        gate = threading.Event()
+        store._completer.submit(gate.wait)  # moves finish in order: the write's completion waits behind this
+        written = store.write("p", host)  # in place: the host copy is the write's source
+        if not held:
+            store.release("p", "host")
+        evicting = threading.Thread(target=store.evict, args=("p",))
+        evicting.start()
+        evicting.join(5)
+        try:
+            assert not evicting.is_alive()  # it did not wait for the write
+            assert "host" in store.tiers_holding("p") and not written.done()  # the write still reads the copy
+        finally:
+            gate.set()
+        written.wait()
+        assert ("host" in store.tiers_holding("p")) is held
+        if held:
+            store.release("p", "host")
+        assert torch.equal(store.fetch("p", "host").wait(), new)
+        store.release("p", "host")
+
+
 def test_a_fetch_waits_for_memory_that_another_thread_releases(disk_dir: Path) -> None:
     with _store(disk_dir, device_bytes=MiB) as store:
         for key in "ab":

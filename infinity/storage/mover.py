@@ -262,7 +262,22 @@ class TierMover(CopyMemory):
                 self._unref(shard, source)
             if shard.write_op is op:
                 shard.write_op = None
+                self._free_evicted(shard)
         op.finish(error)
+
+    def _only_writing(self, shard: Shard) -> bool:
+        """Under the lock: the move in flight on `shard` is a write to its home (or a move of the home down),
+        with every copy loaded: evicting need not wait for it (`_free_evicted` ends the eviction)."""
+        return shard.write_op is not None and all(c.ready.is_set() for c in shard.copies.values())
+
+    def _free_evicted(self, shard: Shard) -> None:
+        """Under the lock, once the write in flight is done: free the copies evicted meanwhile that nobody holds
+        now (the others stay cached, as an eviction after the write would have left them)."""
+        for copy in list(shard.copies.values()):
+            if copy.evicted:
+                copy.evicted = False
+                if copy.refs == 0 and not copy.home:
+                    self._free_copy(shard, copy)
 
     def _rehome(self, shard: Shard, to: Tier) -> None:
         """Move the home down to `to`, blocking; copies fetched meanwhile stay as caches of the new home."""

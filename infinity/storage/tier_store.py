@@ -286,6 +286,14 @@ class TierStore(TierMover):
                 # freeing a device copy still being written is safe (the allocator orders its reuse after the
                 # copy; its source stays referenced): only moving the home down waits for such copies
                 pending = self._pending(shard, device_copies=to is not None)
+                if pending is not None and to is None and self._only_writing(shard):
+                    # the write reads a copy (its source) but changes none: no need to wait for it
+                    for copy in list(shard.copies.values()):
+                        if not copy.home and copy.refs == 0:
+                            self._free_copy(shard, copy)
+                        elif not copy.home:
+                            copy.evicted = True
+                    return
                 if pending is None:
                     for copy in list(shard.copies.values()):
                         if not copy.home and copy.refs == 0:
@@ -304,6 +312,7 @@ class TierStore(TierMover):
         finally:
             with self._lock:
                 shard.write_op = None
+                self._free_evicted(shard)
             op.finish()
 
     def drop(self, key: Hashable) -> None:

@@ -35,7 +35,7 @@ class TierBudgets:
 class Copy:
     """A shard's bytes on the device or host tier: the home copy, or a cache of it."""
 
-    __slots__ = ("tier", "buf", "refs", "home", "prefetched", "ready", "error", "finish", "claimed", "done")
+    __slots__ = ("tier", "buf", "refs", "home", "prefetched", "ready", "error", "finish", "claimed", "done", "evicted")
 
     def __init__(self, tier: Tier, buf: torch.Tensor, refs: int = 0, home: bool = False, prefetched: bool = False):
         self.tier = tier
@@ -51,6 +51,7 @@ class Copy:
         # A device copy's bytes may still be on their way when `ready` is set: consumers wait on this
         # (`CopyDone`) on their own stream; None once complete.
         self.done = None
+        self.evicted = False  # evicted while a write to the home read it: freed once that write is done
         if home:
             self.ready.set()
 
