@@ -147,6 +147,7 @@ class NativeStepper:
         self.stepped_when_needed = 0  # shards whose deferred step ran when they were next needed (a counter)
         self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
         self._returning: deque[Returned] = deque()  # stepped shards whose writes are in flight
+        self._behind: deque[Returned] = deque()  # a finished deferred step's last writes, still in flight
         self._stepped: set[FlatParam] = set()  # stepped this step
         self._deferred: deque[FlatParam] = deque()  # owed a step, in the order they will be needed
         self._deferred_args: tuple[float, list[dict[str, Any]]] = (1.0, [])
@@ -194,6 +195,7 @@ class NativeStepper:
         gather, or anyone reading it), stepping the queue in order up to it with the state of the next
         shards read ahead meanwhile, so the I/O overlaps that forward."""
         self.settle_all()  # a step owed since the last one (nothing needed those shards) comes first
+        self._finish_behind()
         self.shards.finish_grad_writes()
         self._deferred = deque(flats)
         self._last_deferred = list(flats)
@@ -207,6 +209,7 @@ class NativeStepper:
         the window, idle during this backward: those reads overlap backward, not the next forward. Not their
         gradients (still arriving), nor a master that is the parameter shard (backward's gather reads it, and
         the step finds that copy)."""
+        self._finish_behind()
         if not self._deferred and not self._returning:  # the window is empty (the owed steps all settled)
             master = not self.shards.placement.master_is_param
             self.shards.prefetch_state(self._last_deferred[: self.window], with_grad=False, master=master)
@@ -222,8 +225,9 @@ class NativeStepper:
                 break
         if self._deferred:
             self._read_ahead_deferred()
-        else:
-            self.drain()
+        else:  # the step is done: its last writes go on behind the forward (they may queue behind its reads)
+            self._behind.extend(self._returning)
+            self._returning.clear()
             self._stepped.clear()
 
     def _read_room(self) -> int:
@@ -303,10 +307,19 @@ class NativeStepper:
         )
         return fused
 
+    def _finish_behind(self) -> None:
+        """Wait for a finished deferred step's writes still in flight (done by now, most likely)."""
+        while self._behind:
+            self._behind.popleft().finish()
+
     def drain(self, raise_errors: bool = True) -> None:
-        while self._returning:
-            try:
-                self._finish_oldest()
-            except StorageError:
-                if raise_errors:
-                    raise
+        for pending in (self._behind, self._returning):
+            while pending:
+                try:
+                    if pending is self._behind:
+                        pending.popleft().finish()
+                    else:
+                        self._finish_oldest()
+                except StorageError:
+                    if raise_errors:
+                        raise

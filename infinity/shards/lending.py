@@ -2,7 +2,8 @@
 
 A mixin of `ShardStore`. `lend` hands over the master, the packed moments (and the gradient sum) in host
 or device memory, read from NVMe where that is their home; `give_back` routes the new weights to the
-parameter shard and writes NVMe state home; `Returned.finish` waits for those writes and frees the copies.
+parameter shard, writes NVMe state home and lets go of the copies it read (each freed once its write is
+done); `Returned.finish` waits for those writes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class LentShard:
 
 
 class Returned:
-    """A lent shard given back: its writes in flight; `finish()` waits for them and frees the buffers."""
+    """A lent shard given back: its writes in flight; `finish()` waits for them (the copies they read are
+    released already: `release_copies`)."""
 
     def __init__(
         self, store: ShardStore, lent: LentShard, writes: list[MoveHandle], cached: frozenset[Hashable] = frozenset()
@@ -60,17 +62,22 @@ class Returned:
         self._cached = cached  # fetched keys whose host copies stay cached after the writes
         self.block = lent.flat.name.split("#", 1)[0]
 
+    def release_copies(self) -> None:
+        """Let go of the host copies `lend` fetched: a write that reads one holds it until the write is done,
+        and an evicted copy is freed then (`TierStore.evict`)."""
+        for key in self._lent.fetched:
+            # a copy the gather reads next is kept from the read-ahead's eviction, as a prefetch is
+            self._store.tiers.release(key, Tier.HOST, keep=key in self._cached)
+            if key not in self._cached:
+                self._store.tiers.evict(key)
+        self._lent.fetched = []
+
     def finish(self) -> None:
         try:
             for handle in self.writes:
                 handle.wait()
         finally:
-            for key in self._lent.fetched:
-                # a copy the gather reads next is kept from the read-ahead's eviction, as a prefetch is
-                self._store.tiers.release(key, Tier.HOST, keep=key in self._cached)
-                if key not in self._cached:
-                    self._store.tiers.evict(key)
-            self._lent.fetched = []
+            self.release_copies()
             if self._lent.staged_out is not None:  # after the copy to the device read it
                 self._store.crossing.release(self._lent.staged_out)
                 self._lent.staged_out = None
@@ -178,4 +185,6 @@ class OptimizerLending:
         if p.param_home is not Tier.NVME:
             self.tiers.evict(param_key)  # copies above the home are stale
         keep_for_gather = gather_next and param_key in lent.fetched
-        return Returned(self, lent, writes, frozenset((param_key,)) if keep_for_gather else frozenset())
+        returned = Returned(self, lent, writes, frozenset((param_key,)) if keep_for_gather else frozenset())
+        returned.release_copies()
+        return returned
