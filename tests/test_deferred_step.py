@@ -10,6 +10,7 @@ what is owed to it. The result is exactly the clipped step: plain PyTorch with c
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import Counter
 
@@ -228,3 +229,48 @@ def test_with_spare_host_memory_the_whole_deferred_step_reads_its_state_during_b
     ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS, dtype=ref_dtype)
     assert losses == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
     assert_weights_close(state, ref_state, dtype)
+
+
+def test_the_forward_does_not_wait_for_the_writes_of_the_step_it_settles(tmp_path):
+    """Each shard stepped in the forward is written back behind it, and those writes may queue behind the
+    reads of later blocks' shards on the one disk: past what the window bounds (it waits for the oldest write
+    once the window is full), the forward does not wait for them. Here no write after the first shard's can
+    finish until the forward is over (the store finishes moves in order, behind a job that waits); the next
+    step waits for them, and the run is still plain PyTorch's."""
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=_config("nvme", "fp32", 1, str(tmp_path)))
+    data = batches("gpt", MICRO_BS)
+    losses = train_steps(engine, data, 1)
+    assert engine.optimizer.stepper.window == len(engine.shards.records)  # spare memory: the whole step
+    gate = threading.Event()
+    give_back = engine.shards.give_back
+
+    def give_back_then_gate(*args, **kwargs):  # the first shard's writes go ahead of the gate, the rest behind
+        returned = give_back(*args, **kwargs)
+        if engine.shards.give_back is give_back_then_gate:
+            engine.tiers._completer.submit(gate.wait)
+            engine.shards.give_back = give_back
+        return returned
+
+    engine.shards.give_back = give_back_then_gate
+    x, y = next(data)
+    out = []
+    forward = threading.Thread(target=lambda: out.append(engine(x, y)))
+    forward.start()
+    forward.join(30)
+    try:
+        assert out, "the forward waited for the settled step's writes"
+        assert engine.optimizer.stepped_when_needed == len(engine.shards.records)
+        assert engine.optimizer.stepper._behind  # its last writes, still in flight
+    finally:
+        gate.set()
+        forward.join()
+    loss = out[0][1]
+    engine.backward(loss)
+    engine.step()
+    losses += [loss.item(), *train_steps(engine, data, STEPS - 2)]
+    engine.wait_for_weights()
+    state = engine.full_state_dict()
+    engine.close()
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_weights_close(state, ref_state)
