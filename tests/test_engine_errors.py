@@ -4,6 +4,7 @@ stops its peers within the configured timeout instead of hanging them."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -162,8 +163,10 @@ def test_peer_failure_mid_step_raises_comm_error_naming_the_collective(mode):
     status, result = _peer_failure(mode)
     assert status == "ok"
     assert issubclass(result["type"], CommError), result
-    # the blocks backward starts with stay gathered from forward: its first collective reduces their gradients
-    assert "rank 0/2: reduce-scatter of gradients of layers." in result["message"]
+    # the blocks backward starts with stay gathered from forward: its first collective reduces gradients. Which
+    # block's reduction notices the dead peer first depends on timing (an issue can fail before an earlier
+    # reduction is waited for), so the message names the collective and some block's gradients.
+    assert re.search(r"rank 0/2: reduce-scatter of gradients of (layers\.\d+|<root>)#\d+ failed", result["message"])
 
 
 def test_a_host_budget_smaller_than_the_host_homed_shards_is_refused_before_anything_is_built():

@@ -37,7 +37,7 @@ from infinity.shards.gradients import GRADS_IN_FLIGHT, GradientAccumulators
 from infinity.shards.kinds import ShardKind, ShardRecord
 from infinity.shards.lending import OptimizerLending
 from infinity.shards.moments import MOMENT_NAMES, decode, encode, moment_format, packed_views
-from infinity.shards.policy import Placement
+from infinity.shards.policy import Placement, StepTiming
 from infinity.storage import FetchHandle, MoveHandle, Tier, TierStore
 
 
@@ -285,15 +285,19 @@ class ShardStore(GradientAccumulators, OptimizerLending):
     def release_param(self, flat: FlatParam, keep: bool = False) -> None:
         """The fetched shard was gathered; its copy above the home is dropped (memory holds only what is in
         use), unless `keep` (a backward gather) and the master is this very slot: then a host copy of an
-        NVMe shard stays cached, within the host budget, for the step that reads it a few blocks later."""
+        NVMe shard stays cached, within the host budget, for the step that reads it a few blocks later. A
+        forward gather's host copy of an NVMe shard, where steps are deferred until the next gather, is the
+        one the step just wrote; it stays cached too, for backward's gather of it (reclaimed under a budget)."""
         key = self.key(flat, ShardKind.PARAM)
         p = self.placement
-        kept = keep and p.master_is_param and p.param_home is Tier.NVME and p.gather_from is Tier.HOST
+        from_host = p.param_home is Tier.NVME and p.gather_from is Tier.HOST
+        kept = keep and p.master_is_param and from_host
+        stepped = not keep and from_host and p.step_timing is StepTiming.BEFORE_NEXT_GATHER
         # A step a few blocks later reads it: kept from eviction by the read-ahead of the next blocks'
         # parameters. A step before the next forward's gather reads the last few kept only; those stay
         # as plain cached copies, which the read-ahead may take.
         self.tiers.release(key, p.gather_from, keep=kept and p.step_in_backward)
-        if p.param_home is not Tier.DEVICE and not kept:
+        if p.param_home is not Tier.DEVICE and not kept and not stepped:
             self.tiers.evict(key)
 
     def read_ahead(self, flats: Iterable[FlatParam]) -> None:
