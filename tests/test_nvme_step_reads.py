@@ -99,7 +99,8 @@ def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_
 def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_path, host_budget_mib, dtype):
     """Each parameter shard is read from NVMe at most twice a step in fp32: by the step (as its master) and by
     the backward gather; with bf16 compute (a 16-bit shard apart from the master) once, by the backward
-    gather. The forward gather after the step reads the step's host copy."""
+    gather. The forward gather after the step reads the step's host copy (and backward's gather finds it
+    still cached where the budget leaves room: no read at all)."""
     engine = _engine(tmp_path, host_budget_mib, clip=1.0, dtype=dtype)
     most = 2 if dtype == "fp32" else 1
     try:
@@ -116,10 +117,11 @@ def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_p
         engine.moves.record = record
         data = batches("gpt", 2)
         train_steps(engine, data, 1)  # the first step: nothing is owed before its forward
+        assert reads  # its forward read every shard (the reads are counted)
         for _ in range(STEPS - 1):
             reads.clear()
             train_steps(engine, data, 1)
-            assert reads and max(reads.values()) <= most, reads.most_common(3)
+            assert max(reads.values(), default=0) <= most, reads.most_common(3)
         assert engine.optimizer.stepped_when_needed > 0
     finally:
         engine.close()

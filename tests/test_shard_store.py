@@ -18,6 +18,7 @@ from infinity.partition import FlatParam
 from infinity.shards import ShardKind, ShardStore
 from infinity.shards.registry import owner_of
 from infinity.storage import Tier, TierBudgets, TierStore
+from infinity.storage.buffer_pool import round_up
 from infinity.storage.recorder import MoveCounter
 
 pytestmark = pytest.mark.unit
@@ -218,7 +219,7 @@ def test_a_step_before_the_gather_leaves_the_new_weights_where_the_gather_reads_
     """Parameters and optimizer on NVMe: after a step deferred to the next gather (clipping), the gather reads
     the new weights from the step's host copy, not back from the file; any other step's copy is dropped once
     written. In fp32 that copy is the master; with bf16 compute it is the parameter shard's, made by the step
-    without reading the file."""
+    without reading the file. The gathered copy then stays cached: backward gathers the same weights again."""
     recorder = MoveCounter()
     cfg = config("mlp", offload_param="nvme", offload_optimizer="nvme", dtype=dtype, clip=1.0,
                  nvme_path=str(disk_dir))  # fmt: skip
@@ -241,7 +242,11 @@ def test_a_step_before_the_gather_leaves_the_new_weights_where_the_gather_reads_
     store.release_param(flat)
     param_bytes = flat.shard_numel * DTYPES[dtype].itemsize
     assert recorder.bytes.get("nvme->host", 0) - read_before == (0 if gather_next else param_bytes)
-    assert store.tiers.live_bytes(Tier.HOST) == 0  # the gather's release drops the copy either way
+    assert store.tiers.live_bytes(Tier.HOST) == round_up(param_bytes)  # the gathered copy alone, cached
+    read_before = recorder.bytes.get("nvme->host", 0)
+    assert torch.equal(store.fetch_param(flat).wait(), new_weights)  # backward's gather: a hit
+    store.release_param(flat, keep=True)
+    assert recorder.bytes.get("nvme->host", 0) == read_before
     assert torch.equal(_read_from_home(store, flat, ShardKind.PARAM), new_weights)  # and the file has them
     store.close()
 

@@ -286,8 +286,9 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         """The fetched shard was gathered; its copy above the home is dropped (memory holds only what is in
         use), unless `keep` (a backward gather) and the master is this very slot: then a host copy of an
         NVMe shard stays cached, within the host budget, for the step that reads it a few blocks later. A
-        forward gather's host copy of an NVMe shard, where steps are deferred until the next gather, is the
-        one the step just wrote; it stays cached too, for backward's gather of it (reclaimed under a budget)."""
+        forward gather's host copy of an NVMe shard, where steps are deferred until the next gather (most often
+        the copy the step wrote), holds the weights backward gathers again: it stays cached too, as a plain
+        cached copy that a budget reclaims first."""
         key = self.key(flat, ShardKind.PARAM)
         p = self.placement
         from_host = p.param_home is Tier.NVME and p.gather_from is Tier.HOST
