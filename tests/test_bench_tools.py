@@ -18,6 +18,8 @@ from benchlib import scale_bound, scale_disk, shapes  # noqa: E402
 from benchlib.launch import merge_ranks  # noqa: E402
 
 from infinity.models.llama import Llama  # noqa: E402
+from infinity.profiler import analysis  # noqa: E402
+from infinity.profiler.traces import load_traces  # noqa: E402
 
 P = 1000
 
@@ -91,8 +93,12 @@ def test_bench_scale_disk_check_asks_for_the_swap_the_7e9_8bit_run_makes():
 
 
 def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp_path):
+    """...and with --profile, infinity's timed steps leave swap traces that the profiler reads."""
+    scratch, profile = tmp_path / "scratch", tmp_path / "profile"
+    scratch.mkdir()
     cmd = [sys.executable, str(TOOLS / "bench_train.py"), "--model-size", "tiny", "--seq", "32", "--steps", "2",
-           "--warmup", "1", "--configs", "plain,infinity_z3_cpu", "--nvme-path", str(tmp_path)]  # fmt: skip
+           "--warmup", "1", "--configs", "plain,infinity_z3_cpu", "--nvme-path", str(scratch),
+           "--profile", str(profile)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -100,7 +106,11 @@ def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert len(ours["step_times_s"]) == 2 and ours["ratio_to_plain"] > 0
     assert all(b >= a for a, b in zip(ours["rss_after_setup_bytes"], ours["peak_rss_bytes"], strict=True))
-    assert not list(tmp_path.iterdir()), "the run's scratch folder is removed"
+    assert not list(scratch.iterdir()), "the run's scratch folder is removed"
+    assert [p.name for p in profile.iterdir()] == ["infinity_z3_cpu"]  # infinity only
+    traces = load_traces(sorted((profile / "infinity_z3_cpu").glob("trace_rank*.jsonl")))
+    assert len(traces) == 1 and analysis.validate(traces) == []
+    assert sorted({r["step"] for r in traces[0].records["step"]}) == [1, 2]  # the timed steps, not the warm-up
 
 
 def test_bench_memory_reports_the_kept_buffers_apart_from_the_sharded_state(tmp_path):

@@ -90,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1); off (the default, as the infinity "
                         "command starts runs without a host budget): none does")  # fmt: skip
     parser.add_argument("--engine-timers", action="store_true", help="also time infinity's internals (see engine_s)")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="infinity configurations record swap traces of their timed steps into "
+                        "DIR/<config> (DIR/<config>-round<k> with --rounds > 1); read them with "
+                        "`infinity profile DIR/<config>`")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     args = parser.parse_args(argv)
     if args.threads is None:
@@ -116,6 +120,14 @@ def base_spec(args: argparse.Namespace) -> dict[str, Any]:
         "seed": SEED,
         "engine_timers": args.engine_timers,
     }
+
+
+def profile_dir(args: argparse.Namespace, name: str, round_index: int) -> str | None:
+    """Where configuration `name` records its swap traces in round `round_index` (infinity only; None: off)."""
+    if args.profile is None or CONFIGS[name].framework != "infinity":
+        return None
+    leaf = name if args.rounds == 1 else f"{name}-round{round_index + 1}"
+    return str(Path(args.profile).resolve() / leaf)
 
 
 def add_comparisons(results: dict[str, dict[str, Any]]) -> None:
@@ -177,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in names if round_index % 2 == 0 else names[::-1]:  # alternate: no config always last
                 print(f"== {name} (round {round_index + 1}/{args.rounds})", flush=True)
                 threads = args.threads * (args.nproc if not CONFIGS[name].distributed else 1)
-                rounds[name].append(run_configuration({**spec, "name": name, "threads": threads}, args.nproc,
-                                                      workdir, args.timeout))  # fmt: skip
+                run = {**spec, "name": name, "threads": threads, "profile_dir": profile_dir(args, name, round_index)}
+                rounds[name].append(run_configuration(run, args.nproc, workdir, args.timeout))
     results = {name: merge_rounds(records, spec) for name, records in rounds.items()}
     add_comparisons(results)
     print_table(results)

@@ -62,7 +62,8 @@ def run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     model = build_model(spec)
     record["model_params"] = sum(p.numel() for p in model.parameters())
     record["rss_after_build_bytes"] = rss_bytes()
-    opts = StepOptions(micro, spec["dtype"], spec["clip"], spec["nvme_path"], spec["threads"], spec["engine_timers"])
+    opts = StepOptions(micro, spec["dtype"], spec["clip"], spec["nvme_path"], spec["threads"], spec["engine_timers"],
+                       spec.get("profile_dir"), spec["warmup"])  # fmt: skip
     start = time.perf_counter()
     trainer = build_trainer(model, cfg, opts)
     record["init_s"] = time.perf_counter() - start

@@ -90,6 +90,8 @@ class StepOptions:
     nvme_path: str  # this configuration's own folder
     threads: int
     engine_timers: bool = False
+    profile_dir: str | None = None  # infinity: record swap traces there (the profiler)
+    profile_from_step: int = 0  # the first step they cover
 
 
 PhaseFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
@@ -185,6 +187,8 @@ def _ds_config(cfg: TrainConfig, opts: StepOptions, framework: str) -> dict[str,
         "bf16": {"enabled": opts.dtype == "bf16"},
         "zero_optimization": zero,
     }
+    if framework == "infinity" and opts.profile_dir is not None:
+        config["profiler"] = {"enabled": True, "path": opts.profile_dir, "start_step": opts.profile_from_step}
     if framework == "deepspeed":
         config.update(
             fp16={"enabled": False},
