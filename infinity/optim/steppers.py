@@ -313,13 +313,12 @@ class NativeStepper:
             self._behind.popleft().finish()
 
     def drain(self, raise_errors: bool = True) -> None:
-        for pending in (self._behind, self._returning):
-            while pending:
-                try:
-                    if pending is self._behind:
-                        pending.popleft().finish()
-                    else:
-                        self._finish_oldest()
-                except StorageError:
-                    if raise_errors:
-                        raise
+        while self._behind or self._returning:
+            try:
+                if self._behind:
+                    self._behind.popleft().finish()
+                else:
+                    self._finish_oldest()
+            except StorageError:
+                if raise_errors:
+                    raise

@@ -270,6 +270,17 @@ class TierMover(CopyMemory):
         with every copy loaded: evicting need not wait for it (`_free_evicted` ends the eviction)."""
         return shard.write_op is not None and all(c.ready.is_set() for c in shard.copies.values())
 
+    def _evict_copies(self, shard: Shard, mark_held: bool) -> None:
+        """Under the lock: free the copies above the home that nobody holds; with `mark_held`, mark the held ones
+        to be freed once the write in flight is done (`_free_evicted`)."""
+        for copy in list(shard.copies.values()):
+            if copy.home:
+                continue
+            if copy.refs == 0:
+                self._free_copy(shard, copy)
+            elif mark_held:
+                copy.evicted = True
+
     def _free_evicted(self, shard: Shard) -> None:
         """Under the lock, once the write in flight is done: free the copies evicted meanwhile that nobody holds
         now (the others stay cached, as an eviction after the write would have left them)."""

@@ -287,17 +287,10 @@ class TierStore(TierMover):
                 # copy; its source stays referenced): only moving the home down waits for such copies
                 pending = self._pending(shard, device_copies=to is not None)
                 if pending is not None and to is None and self._only_writing(shard):
-                    # the write reads a copy (its source) but changes none: no need to wait for it
-                    for copy in list(shard.copies.values()):
-                        if not copy.home and copy.refs == 0:
-                            self._free_copy(shard, copy)
-                        elif not copy.home:
-                            copy.evicted = True
+                    self._evict_copies(shard, mark_held=True)  # the write reads a copy but changes none
                     return
                 if pending is None:
-                    for copy in list(shard.copies.values()):
-                        if not copy.home and copy.refs == 0:
-                            self._free_copy(shard, copy)
+                    self._evict_copies(shard, mark_held=False)
                     if to is None or to is shard.home:
                         return
                     if TIER_DEPTH[to] < TIER_DEPTH[shard.home]:
