@@ -182,8 +182,12 @@ def test_no_recommendation_ever_names_a_pipeline_key(tmp_path: Path) -> None:
 def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path: Path) -> None:
     """Forward and backward 400 ms each on the GPU, then 8 shards of host Adam, 25 ms each: the optimizer
     could run beside backward (max(400, 200) ms) leaving one window's half (2 of 8 shards) after it."""
-    config = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu",
-                                                                                             "buffer_count": 4}}}
+    config = {
+        "zero_optimization": {
+            "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "cpu", "buffer_count": 4},
+        }
+    }
     ms = 1_000_000
     with TraceWriter(tmp_path, 0, 1, {"offload_param": {"device": "cpu"}}, config=config, device="cuda") as w:
         w.begin_step(0, 0)
@@ -230,3 +234,39 @@ def test_host_parameters_under_a_gpu_are_gathered_so_the_overlap_is_there_alread
     zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme"}}
     facts = RunFacts({"gradient_clipping": 1.0, "zero_optimization": zero}, 1, None, True, True)
     assert "the trace is from an older version" in _optimizer_cause(facts)[1]
+
+
+def _forward_step_stall_trace(path: Path, write: tuple[int, int]) -> Diagnosis:
+    """One step whose forward (0-100 ns) computes for 60 ns and waits 40 on the optimizer step deferred into
+    it, a state write in flight over `write` (start, end ns)."""
+    scenario = SCENARIOS["clipped"]
+    with TraceWriter(path, 0, 1, settings_for(scenario), config=config_for(scenario)) as w:
+        w.begin_step(0, 0)
+        w.compute("b0", 0, 30)
+        w.stall("b1#0", 30, 70, "optimizer step")
+        w.move("('b1#0', 'exp_avg')", "b1", 4096, "host", "nvme", *write)
+        w.compute("b1", 70, 100)
+        w.set_phase("backward", 100)
+        w.compute("b1", 100, 150)
+        w.compute("b0", 150, 200)
+        w.end_step(0, 200)
+    traces = load_traces([path])
+    return diagnose(summarize(traces), traces)
+
+
+def test_a_forward_waiting_on_its_deferred_optimizer_step_with_the_disk_idle_raises_the_optimizer_window(
+    tmp_path: Path,
+) -> None:
+    d = _forward_step_stall_trace(tmp_path / "idle", (50, 60))
+    assert _settings(d) == {Z + "offload_optimizer.buffer_count": "raise"}
+    r = d.recommendations[0]
+    assert (r.current, r.value) == (4, 8)
+    assert "40% of forward stalled on the reads and writes of the optimizer step running in it" in r.evidence
+    assert "disk was busy for only 10% of forward" in r.evidence
+    finding = next(f for f in d.findings if f.part == "optimizer step stalls in forward")
+    assert finding.setting == Z + "offload_optimizer.buffer_count" and finding.time_s == pytest.approx(40e-9)
+    assert not [f for f in d.findings if f.part.startswith("serial I/O")]
+    # the disk busy for the whole forward: a larger window cannot beat it; nothing is recommended
+    busy = _forward_step_stall_trace(tmp_path / "busy", (0, 100))
+    assert busy.recommendations == []
+    assert all(f.setting is None for f in busy.findings)

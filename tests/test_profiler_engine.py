@@ -85,3 +85,65 @@ def test_profiler_off_records_nothing(tmp_path):
     trace_dir = tmp_path / "trace"
     run_distributed(profiled_run, 1, str(tmp_path), None)
     assert not trace_dir.exists()
+
+
+def optimizer_step_run(nvme_path: str, trace_dir: str, clip: float, host_budget: int | None) -> dict:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config(
+        micro_bs=2,
+        persistence=64,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        clip=clip,
+        nvme_path=nvme_path,
+        extra_zero={"host_budget_bytes": host_budget},
+    )
+    cfg["profiler"] = {"enabled": True, "path": trace_dir, "start_step": 0, "end_step": STEPS - 1}
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    data = batches("gpt", 2, rank=rank, world_size=world)
+    for _ in range(STEPS):
+        x, y = next(data)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    result = {
+        "flats": [f.name for f in engine.shards.records],
+        "stepped_when_needed": engine.optimizer.stepped_when_needed,
+        "stepped_in_backward": engine.optimizer.stepped_in_backward,
+    }
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize(
+    "world,clip,host_budget", [(1, 1.0, None), (2, 1.0, None), (2, 0.0, None), (1, 0.0, 256 << 20)]
+)
+def test_an_optimizer_step_inside_forward_or_backward_records_its_arithmetic_and_waits(
+    tmp_path, world, clip, host_budget
+):
+    """The NVMe optimizer steps inside forward (deferred to the next forward: clipped, or unclipped where the
+    gradients fit in host memory) or inside backward (unclipped under a host budget: each shard as its
+    gradient arrives). Its waits for state reads are stalls on "optimizer step", and its arithmetic, where no
+    block's span covers it, is compute of the flat parameter ("<block>#<group>"), never overlapping the
+    blocks' own spans; the report counts those stalls in their phase."""
+    trace_dir = tmp_path / "trace"
+    results = run_distributed(optimizer_step_run, world, str(tmp_path), str(trace_dir), clip, host_budget)
+    traces = load_traces(sorted(trace_dir.glob("trace_rank*.jsonl")))
+    assert analysis.validate(traces) == []
+    in_forward = host_budget is None
+    assert all((r["stepped_when_needed"] > 0) == in_forward != (r["stepped_in_backward"] > 0) for r in results)
+    phase = "forward" if in_forward else "backward"
+    for trace, result in zip(traces, results, strict=True):
+        waits = {r["block"] for r in trace.records["stall"] if r["waited_on"] == "optimizer step"}
+        assert waits and waits <= set(result["flats"])
+        assert {r["phase"] for r in trace.records["stall"] if r["waited_on"] == "optimizer step"} <= {phase, "backward"}
+        arithmetic = {(r["block"], r["phase"], r["step"]) for r in trace.records["compute"] if "#" in r["block"]}
+        if in_forward:  # every shard's deferred step, in the forward of every step after the first
+            assert {(f, "forward", s) for f in result["flats"] for s in range(1, STEPS)} <= arithmetic
+        else:  # stepped on arrival: inside a block's span, or between them (recorded then)
+            assert {phase for _, phase, _ in arithmetic} <= {"backward"}
+    report = build_report(sorted(trace_dir.glob("trace_rank*.jsonl")), out_dir=tmp_path / "report", plots=False)
+    assert report.problems == []
+    assert report.diagnosis.breakdown.mean.phase(phase).stall_ns.get("optimizer step", 0) > 0

@@ -18,6 +18,7 @@ import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.partition.flat_param import FlatParam
+from infinity.profiler.format import OPTIMIZER_STEP_WAIT
 from infinity.profiler.null_writer import NullTraceWriter
 from infinity.shards import LentShard, Returned, ShardStore
 from infinity.shards.moments import moment_format
@@ -250,15 +251,12 @@ class NativeStepper:
         hyper: list[dict[str, Any]] | None = None,
         gather_next: bool = False,
     ) -> None:
-        block = flat.name.split("#", 1)[0]
+        block = self._span_name(flat.name)
         start = time.perf_counter_ns()
         lent = self.shards.lend(flat, with_grad=grad is None, gather_next=gather_next)
         fetched = time.perf_counter_ns()
-        # Spans only in the optimizer phase: in forward and backward a step runs inside the scheduler's
-        # hooks, whose compute and stall spans already cover it (spans of a kind must not overlap).
-        in_optimizer_phase = self.prof.phase == "optimizer"
-        if lent.fetched and in_optimizer_phase:  # it waited for reads of its state
-            self.prof.stall(block, start, fetched, "nvme->host")
+        if lent.fetched:  # it waited for reads of its state
+            self.prof.stall(block, start, fetched, self._waited_on("nvme->host"))
         try:
             record = self.shards.records[flat]
             record.step += 1
@@ -268,20 +266,33 @@ class NativeStepper:
         except BaseException:
             Returned(self.shards, lent, []).finish()
             raise
-        if in_optimizer_phase:
-            self.prof.compute(block, fetched, time.perf_counter_ns())
+        self.prof.compute(block, fetched, time.perf_counter_ns())
         self._returning.append(self.shards.give_back(lent, param_written=written, gather_next=gather_next))
         # the shards read ahead on arrival share the window's host memory with those being written
         in_flight = max(1, self.window - len(self._arrived)) if self.write_behind else 1
         while len(self._returning) >= in_flight:
             self._finish_oldest()
 
-    def _finish_oldest(self) -> None:
-        returned = self._returning.popleft()
+    def _span_name(self, flat_name: str) -> str:
+        """What the step's spans are recorded for: the block in the optimizer phase; in forward and backward
+        the flat parameter ("<block>#<group>"), so that its step is not taken for the block's own compute."""
+        return flat_name.split("#", 1)[0] if self.prof.phase == "optimizer" else flat_name
+
+    def _waited_on(self, pair: str) -> str:
+        """A wait's label: the tier pair in the optimizer phase; in forward and backward, a wait of the
+        optimizer step running there (not of the block's gather)."""
+        return pair if self.prof.phase == "optimizer" else OPTIMIZER_STEP_WAIT
+
+    def _finish(self, returned: Returned) -> None:
+        """Wait for `returned`'s writes, recorded as a stall (spans inside a hook's own are dropped)."""
         start = time.perf_counter_ns()
         returned.finish()
-        if returned.writes and self.prof.phase == "optimizer":
-            self.prof.stall(returned.block, start, time.perf_counter_ns(), "host->nvme")
+        if returned.writes:
+            end = time.perf_counter_ns()
+            self.prof.stall(self._span_name(returned.flat.name), start, end, self._waited_on("host->nvme"))
+
+    def _finish_oldest(self) -> None:
+        self._finish(self._returning.popleft())
 
     def _adam(self, lent: LentShard, grad: torch.Tensor, step: int, grad_scale: float, group: dict[str, Any]) -> bool:
         """One native pass; returns whether it also wrote the new compute-dtype weights into `param_out`."""
@@ -310,13 +321,13 @@ class NativeStepper:
     def _finish_behind(self) -> None:
         """Wait for a finished deferred step's writes still in flight (done by now, most likely)."""
         while self._behind:
-            self._behind.popleft().finish()
+            self._finish(self._behind.popleft())
 
     def drain(self, raise_errors: bool = True) -> None:
         while self._behind or self._returning:
             try:
                 if self._behind:
-                    self._behind.popleft().finish()
+                    self._finish(self._behind.popleft())
                 else:
                     self._finish_oldest()
             except StorageError:

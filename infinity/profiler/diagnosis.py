@@ -11,6 +11,9 @@ naming only a key that changes something in this run (`knob_effects`), with the 
   in host memory (the key that sizes the read-ahead here). Far below its speed, the disk rule fires.
 - forward/backward stalled > STALL_SHARE on host-to-device copies or on a collective -> a larger
   prefetch bucket.
+- forward/backward stalled > STALL_SHARE on the optimizer step running in it (its state reads and
+  writes) while the disk was busy for less than OPTIMIZER_DISK_BUSY of the phase -> a larger optimizer
+  window.
 - the optimizer phase stalled > STALL_SHARE on the disk while the disk was busy for less than
   OPTIMIZER_DISK_BUSY of it: reads start too late -> a larger optimizer window.
 - a buffer pool exhausted at least once per step (and POOL_MIN_COUNT times), or its waits >=
@@ -29,7 +32,7 @@ from typing import Any
 from infinity.profiler.analysis import Rate, Summary, Window, covered_below, depth_series
 from infinity.profiler.breakdown import Breakdown, breakdown
 from infinity.profiler.facts import RunFacts
-from infinity.profiler.format import COLLECTIVE, DISK_READ, DISK_WRITE, TO_DEVICE, wait_group
+from infinity.profiler.format import COLLECTIVE, DISK_READ, DISK_WRITE, OPTIMIZER_STEP, TO_DEVICE, wait_group
 from infinity.profiler.knob_effects import (
     Change,
     aio_change,
@@ -170,6 +173,23 @@ class _Rules:
                 if share > STALL_SHARE:
                     evidence = f"{_pct(share)} of {phase} stalled on {group}s: they are issued too late"
                     self.recommend(prefetch, evidence, (phase, group))
+            self._step_in_phase(phase, groups.get(OPTIMIZER_STEP, 0) / window.wall_ns)
+
+    def _step_in_phase(self, phase: str, share: float) -> None:
+        """The optimizer step running in `phase` (deferred to the forward, or stepping shards as their
+        gradients arrive) stalled it on its reads and writes while the disk had room: a larger window."""
+        parts = self.b.mean.phase(phase)
+        if share <= STALL_SHARE or not parts.wall_ns:
+            return
+        busy = parts.disk_busy_ns / parts.wall_ns
+        if busy >= OPTIMIZER_DISK_BUSY:
+            return  # the disk is the limit: no window is faster than it
+        evidence = (
+            f"{_pct(share)} of {phase} stalled on the reads and writes of the optimizer step running in it while the "
+            f"disk was busy for only {_pct(busy)} of {phase}: more shards in flight"
+        )
+        change = optimizer_window_change(self.facts.config, self.facts.largest_param_bytes)
+        self.recommend(change, evidence, (phase, OPTIMIZER_STEP))
 
     def optimizer_stalls(self) -> None:
         window = self.summary.phases.get("optimizer")

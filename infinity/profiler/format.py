@@ -23,11 +23,14 @@ Records (required fields; `step` / `phase` are the step number and phase when th
   requests in flight). `kind_of_key(key)` says whose bytes they are (MOVE_KINDS).
 - `stall`: `block`, `start_ns`, `end_ns`, `waited_on`, `step`, `phase` — the training thread (a block's
   compute, or the optimizer step) waiting; `waited_on` is a WAIT_KINDS value: a tier pair
-  ("nvme->host": a disk read, "host->device": a copy to the device, ...), a collective op, or "pool".
+  ("nvme->host": a disk read, "host->device": a copy to the device, ...), a collective op, "pool", or
+  "optimizer step" (in forward or backward, a wait for the state reads or writes of an optimizer step
+  running there).
 - `collective`: `op` ("all-gather", "reduce-scatter", "all-reduce", "broadcast"), `block`, `bytes`,
   `start_ns`, `end_ns`, `step`, `phase`. Never in a one-rank trace: a collective over one rank is a view.
 - `compute`: `block`, `start_ns`, `end_ns`, `step`, `phase` — the compute span of a block (forward,
-  backward) or, in the optimizer phase, of one shard's optimizer step.
+  backward) or of one shard's optimizer arithmetic (in the optimizer phase, or in forward or backward
+  where no block's span covers it).
 - `prefetch`: `block`, `issued_ns`, `step`, `phase` — a gather or load issued ahead of use.
 - `use`: `block`, `t_ns`, `ready`, `step`, `phase` — compute reached the block; `ready` is true when its
   weights were already there (prefetch hit rate = ready uses / uses).
@@ -58,18 +61,22 @@ COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "broadcast")
 QUEUE_STREAMS = ("nvme-read", "nvme-write")
 POOL_EVENTS = ("exhausted",)
 TIER_PAIRS = tuple(f"{a}->{b}" for a in TIERS for b in TIERS if a != b)
-WAIT_KINDS = TIER_PAIRS + COLLECTIVE_OPS + ("pool",)
+# "optimizer step": a wait inside forward or backward for the reads or writes of an optimizer step running
+# there (deferred to the next forward, or stepping shards as their gradients arrive)
+OPTIMIZER_STEP_WAIT = "optimizer step"
+WAIT_KINDS = TIER_PAIRS + COLLECTIVE_OPS + ("pool", OPTIMIZER_STEP_WAIT)
 
 # What a wait was on, in words; `wait_group(waited_on)` maps each WAIT_KINDS value to one of these.
-DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL = (
+DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL, OPTIMIZER_STEP = (
     "disk read",
     "disk write",
     "host-to-device copy",
     "device-to-host copy",
     "collective",
     "buffer pool",
+    "optimizer step",
 )
-WAIT_GROUPS = (DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL)
+WAIT_GROUPS = (DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL, OPTIMIZER_STEP)
 
 # Whose bytes a move carries, from its store key's last part: ('h.0#0', 'param'), ('h.0#0', 'exp_avg').
 MOVE_KINDS = ("param", "optimizer", "grad", "other")
@@ -122,6 +129,8 @@ def wait_group(waited_on: str) -> str:
         return COLLECTIVE
     if waited_on == "pool":
         return POOL
+    if waited_on == OPTIMIZER_STEP_WAIT:
+        return OPTIMIZER_STEP
     src, _, dst = waited_on.partition("->")
     if src == "nvme":
         return DISK_READ

@@ -31,6 +31,7 @@ WAIT_COLOURS = {
     "device-to-host copy": "#00897b",
     "collective": "#fdd835",
     "buffer pool": "#6d4c41",
+    "optimizer step": "#fb8c00",
 }
 PAIR_COLOURS = {
     "nvme->host": "#e53935",

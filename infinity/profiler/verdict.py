@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from infinity.profiler.analysis import Summary
 from infinity.profiler.breakdown import Breakdown, PhaseParts
 from infinity.profiler.facts import RunFacts
-from infinity.profiler.format import DISK_READ, DISK_WRITE, POOL
+from infinity.profiler.format import DISK_READ, DISK_WRITE, OPTIMIZER_STEP, POOL
 from infinity.profiler.whatif import Prediction, disk_at_raw, optimizer_overlap, stalls_removed
 
 MARGIN = 0.10
@@ -171,6 +171,22 @@ def _optimizer_finding(b: Breakdown, facts: RunFacts) -> Finding | None:
 
 
 NO_SETTING = Remedy("", "no setting found")
+_WAITED_FOR = {
+    DISK_READ: "disk reads",
+    DISK_WRITE: "disk writes",
+    OPTIMIZER_STEP: "the reads and writes of the optimizer step running in it",
+}
+
+
+def _disk_remedy(group: str, remedies: dict[tuple[str, str], Remedy]) -> Remedy | None:
+    """The disk rule's remedy for stalls on `group`, where they wait on the disk."""
+    if group == DISK_READ:
+        return remedies.get(("disk", "read"))
+    if group == DISK_WRITE:
+        return remedies.get(("disk", "write"))
+    if group == OPTIMIZER_STEP:
+        return remedies.get(("disk", "read")) or remedies.get(("disk", "write"))
+    return None
 
 
 def find(b: Breakdown, summary: Summary, facts: RunFacts, remedies: dict[tuple[str, str], Remedy]) -> list[Finding]:
@@ -191,9 +207,8 @@ def find(b: Breakdown, summary: Summary, facts: RunFacts, remedies: dict[tuple[s
         for group, ns in sorted(parts.stall_ns.items(), key=lambda kv: -kv[1]):
             if group == POOL:
                 continue
-            disk = ("disk", "read" if group == DISK_READ else "write") if group in (DISK_READ, DISK_WRITE) else None
-            r = remedies.get((name, group)) or remedies.get(disk) or Remedy("", "no setting found")
-            what = "disk reads" if group == DISK_READ else "disk writes" if group == DISK_WRITE else group + "s"
+            r = remedies.get((name, group)) or _disk_remedy(group, remedies) or NO_SETTING
+            what = _WAITED_FOR.get(group, group + "s")
             change = r.action if r.setting else f"no {group} stalls in {name}"
             out.append(
                 Finding(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infinity.profiler.breakdown import Breakdown, PhaseParts
-from infinity.profiler.format import DISK_READ, DISK_WRITE
+from infinity.profiler.format import DISK_READ, DISK_WRITE, OPTIMIZER_STEP
 from infinity.profiler.traces import RankTrace
 
 
@@ -79,7 +79,7 @@ def optimizer_overlap(b: Breakdown, window: int, cuda: bool) -> Prediction | Non
 
 def _phase_floor_ns(parts: PhaseParts, removed_ns: float, group: str) -> float:
     """The phase's new wall time with `removed_ns` of stalls on `group` gone."""
-    floor = parts.disk_busy_ns if group in (DISK_READ, DISK_WRITE) else 0.0
+    floor = parts.disk_busy_ns if group in (DISK_READ, DISK_WRITE, OPTIMIZER_STEP) else 0.0
     return max(parts.wall_ns - removed_ns, floor, parts.wall_ns - parts.stall_total_ns)
 
 
@@ -101,7 +101,8 @@ def disk_exposed_ns(parts: PhaseParts, streams: bool) -> float:
     (`streams`: the optimizer phase streaming its state) its whole disk busy time."""
     if streams:
         return parts.disk_busy_ns
-    return parts.stall_ns.get(DISK_READ, 0.0) + parts.stall_ns.get(DISK_WRITE, 0.0) + parts.serial_io_ns
+    disk_stalls = sum(parts.stall_ns.get(group, 0.0) for group in (DISK_READ, DISK_WRITE, OPTIMIZER_STEP))
+    return disk_stalls + parts.serial_io_ns
 
 
 def disk_at_raw(b: Breakdown, reached_fraction: float, change: str) -> Prediction:

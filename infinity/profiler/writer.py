@@ -96,6 +96,7 @@ class TraceWriter:
         self._phase_start_ns = 0
         self._step_start_ns = 0
         self._live: dict[str, int] = {}
+        self._open_spans = {"compute": 0, "stall": 0}  # spans the caller has begun and records at their end
         self.bad_records = 0  # records dropped at encoding for a field of the wrong type
         t0 = now_ns()
         meta = {
@@ -208,10 +209,19 @@ class TraceWriter:
                 )
             )
 
+    def open_span(self, kind: str) -> None:
+        """The caller has begun a `kind` ("compute" or "stall") span that it records when it ends. Until
+        `close_span(kind)`, records of that kind made inside it are dropped: spans of a kind never overlap,
+        and the enclosing span accounts for the time (an optimizer step run inside a gather's wait)."""
+        self._open_spans[kind] += 1
+
+    def close_span(self, kind: str) -> None:
+        self._open_spans[kind] -= 1
+
     def stall(self, block: str, start_ns: int, end_ns: int, waited_on: str) -> None:
         """The training thread waited for `block` over [start_ns, end_ns] on `waited_on` ("nvme->host",
         "all-gather", ...; see format.WAIT_KINDS). One rank: a collective wait is the gather's first move."""
-        if self._active:
+        if self._active and not self._open_spans["stall"]:
             if self.one_rank and waited_on in COLLECTIVE_OPS:
                 waited_on = self.gather_source
             self._put(("stall", block, start_ns, end_ns, waited_on, self._step, self._phase))
@@ -222,8 +232,8 @@ class TraceWriter:
             self._put(("collective", op, block, nbytes, start_ns, end_ns, self._step, self._phase))
 
     def compute(self, block: str, start_ns: int, end_ns: int) -> None:
-        """`block` computed over [start_ns, end_ns] (its forward, or its backward)."""
-        if self._active:
+        """`block` computed over [start_ns, end_ns] (its forward, or its backward, or a shard's optimizer step)."""
+        if self._active and not self._open_spans["compute"]:
             self._put(("compute", block, start_ns, end_ns, self._step, self._phase))
 
     def prefetch(self, block: str, issued_ns: int | None = None) -> None:

@@ -92,11 +92,13 @@ class BlockScheduler(GatherWindow):
     def _open(self, block: ShardedBlock) -> None:
         """A block's compute starts now: the previous one's span (if still open) ends here."""
         self._close()
+        self.prof.open_span("compute")
         self._open_span = (block.name, time.perf_counter_ns())
 
     def _close(self) -> None:
         if self._open_span is not None:
             name, start = self._open_span
+            self.prof.close_span("compute")
             self.prof.compute(name, start, time.perf_counter_ns())
             self._open_span = None
 

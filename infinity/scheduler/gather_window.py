@@ -131,8 +131,12 @@ class GatherWindow:
         waited_on = "all-gather" if block.state is BlockState.GATHERING and self.collectives else self.gather_waits_on
         start = time.perf_counter_ns()
         issued = block.issued_ns if in_flight else start
-        self._issue_through(block)
-        block.wait_unshard(self.source, self._keep())
+        prof.open_span("stall")  # an optimizer step settled inside this wait is part of it
+        try:
+            self._issue_through(block)
+            block.wait_unshard(self.source, self._keep())
+        finally:
+            prof.close_span("stall")
         self._note_gathered()
         end = time.perf_counter_ns()
         self.stall_s += (end - start) / 1e9
@@ -148,8 +152,14 @@ class GatherWindow:
         if not owed:
             return
         start = time.perf_counter_ns()
-        for flat in owed:
-            self.source.settle(flat)
+        if stall:
+            self.prof.open_span("stall")
+        try:
+            for flat in owed:
+                self.source.settle(flat)
+        finally:
+            if stall:
+                self.prof.close_span("stall")
         if stall:
             end = time.perf_counter_ns()
             self.stall_s += (end - start) / 1e9

@@ -60,7 +60,7 @@ class Returned:
         self._lent = lent
         self.writes = writes
         self._cached = cached  # fetched keys whose host copies stay cached after the writes
-        self.block = lent.flat.name.split("#", 1)[0]
+        self.flat = lent.flat
 
     def release_copies(self) -> None:
         """Let go of the host copies `lend` fetched: a write that reads one holds it until the write is done,
