@@ -54,6 +54,9 @@ def test_profiled_nvme_training_leaves_valid_traces_per_rank(tmp_path, world):
         assert trace.meta["rank"] == result["rank"]
         assert {"step", "phase", "move", "stall", "compute", "use", "live", "rss"} <= kinds
         assert ("collective" in kinds) == (world > 1)  # one rank communicates nothing
+        # several ranks: waits for the reductions in flight (for the slowest rank's gradients) are stalls
+        reductions = [r for r in trace.records["stall"] if r["waited_on"] == "reduce-scatter"]
+        assert bool(reductions) == (world > 1) and {r["phase"] for r in reductions} <= {"backward"}
         raw = trace.meta["raw_disk"]  # the swap directory was probed when the profiler opened
         assert raw["read_gbps"] > 0 and raw["write_gbps"] > 0 and raw["path"] == str(tmp_path)
         assert trace.meta["config"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"

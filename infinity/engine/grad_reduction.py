@@ -135,7 +135,9 @@ class GradReducer:
         job = self._in_flight.popleft()
         self._in_flight_elems -= job.full.numel()
         if job.work is not None:
-            job.work.wait()
+            start = time.perf_counter_ns()
+            job.work.wait()  # on the slowest rank's arrival: a stall (inside a block's span it is carved out of it)
+            self.prof.stall(job.block, start, time.perf_counter_ns(), self.reduction.value)
         nbytes = job.full.numel() * job.full.element_size()
         self.prof.collective(self.reduction.value, job.block, nbytes, job.start_ns, time.perf_counter_ns())
         if self.scaling.after != 1.0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from infinity.profiler.format import COLLECTIVE_OPS, OPTIMIZER_STEP_WAIT, gather_source, tier_pair
+from infinity.profiler.format import COLLECTIVE_OPS, OPTIMIZER_STEP_WAIT, REDUCTION_OPS, gather_source, tier_pair
 from infinity.profiler.traces import RankTrace, Record
 
 TOWARD_COMPUTE = ("nvme->host", "nvme->device", "host->device")
@@ -74,7 +74,7 @@ def attribute_stalls(traces: list[RankTrace]) -> int:
             collectives[block_name(c["block"])].append(c)
         out: list[Record] = []
         for stall in trace.of("stall"):
-            if stall["waited_on"] in ("pool", OPTIMIZER_STEP_WAIT):  # not a gather's chain: labelled as it is
+            if stall["waited_on"] in ("pool", OPTIMIZER_STEP_WAIT, *REDUCTION_OPS):  # not a gather's: as labelled
                 out.append(stall)
                 continue
             block = block_name(stall["block"])

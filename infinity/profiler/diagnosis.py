@@ -9,8 +9,8 @@ naming only a key that changes something in this run (`knob_effects`), with the 
   reads start too late -> a larger `stage3_prefetch_bucket_size`. With the queue saturated instead and
   the disk near its probed speed (or of unknown speed), the disk is the limit -> keep more parameters
   in host memory (the key that sizes the read-ahead here). Far below its speed, the disk rule fires.
-- forward/backward stalled > STALL_SHARE on host-to-device copies or on a collective -> a larger
-  prefetch bucket.
+- forward/backward stalled > STALL_SHARE on host-to-device copies or on a gather's collective -> a
+  larger prefetch bucket (not on gradient reductions: those wait for the slowest rank).
 - forward/backward stalled > STALL_SHARE on the optimizer step running in it (its state reads and
   writes) while the disk was busy for less than OPTIMIZER_DISK_BUSY of the phase -> a larger optimizer
   window.
@@ -168,7 +168,7 @@ class _Rules:
                             "the limit; keep more parameters in host memory"
                         )
                         self.recommend(read_ahead_change(f.config, f.largest_param_bytes), evidence, (phase, DISK_READ))
-            for group in (TO_DEVICE, COLLECTIVE):
+            for group in (TO_DEVICE, COLLECTIVE):  # not REDUCTION: no prefetch brings the slowest rank sooner
                 share = groups.get(group, 0) / window.wall_ns
                 if share > STALL_SHARE:
                     evidence = f"{_pct(share)} of {phase} stalled on {group}s: they are issued too late"

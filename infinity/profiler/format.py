@@ -67,16 +67,18 @@ OPTIMIZER_STEP_WAIT = "optimizer step"
 WAIT_KINDS = TIER_PAIRS + COLLECTIVE_OPS + ("pool", OPTIMIZER_STEP_WAIT)
 
 # What a wait was on, in words; `wait_group(waited_on)` maps each WAIT_KINDS value to one of these.
-DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL, OPTIMIZER_STEP = (
+DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, REDUCTION, POOL, OPTIMIZER_STEP = (
     "disk read",
     "disk write",
     "host-to-device copy",
     "device-to-host copy",
-    "collective",
+    "collective",  # a gather's (all-gather, broadcast)
+    "gradient reduction",  # reduce-scatter, all-reduce: waiting for the slowest rank's gradients
     "buffer pool",
     "optimizer step",
 )
-WAIT_GROUPS = (DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, POOL, OPTIMIZER_STEP)
+WAIT_GROUPS = (DISK_READ, DISK_WRITE, TO_DEVICE, TO_HOST, COLLECTIVE, REDUCTION, POOL, OPTIMIZER_STEP)
+REDUCTION_OPS = ("reduce-scatter", "all-reduce")
 
 # Whose bytes a move carries, from its store key's last part: ('h.0#0', 'param'), ('h.0#0', 'exp_avg').
 MOVE_KINDS = ("param", "optimizer", "grad", "other")
@@ -125,6 +127,8 @@ def tier_pair(src: str, dst: str) -> str:
 
 def wait_group(waited_on: str) -> str:
     """What a stall's `waited_on` was, in words: "disk read", "host-to-device copy", "collective", ..."""
+    if waited_on in REDUCTION_OPS:
+        return REDUCTION
     if waited_on in COLLECTIVE_OPS:
         return COLLECTIVE
     if waited_on == "pool":

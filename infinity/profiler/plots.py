@@ -30,6 +30,7 @@ WAIT_COLOURS = {
     "host-to-device copy": "#1e88e5",
     "device-to-host copy": "#00897b",
     "collective": "#fdd835",
+    "gradient reduction": "#c0ca33",
     "buffer pool": "#6d4c41",
     "optimizer step": "#fb8c00",
 }

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from infinity.profiler.analysis import Summary
 from infinity.profiler.breakdown import Breakdown, PhaseParts
 from infinity.profiler.facts import RunFacts
-from infinity.profiler.format import DISK_READ, DISK_WRITE, OPTIMIZER_STEP, POOL
+from infinity.profiler.format import DISK_READ, DISK_WRITE, OPTIMIZER_STEP, POOL, REDUCTION
 from infinity.profiler.whatif import Prediction, disk_at_raw, optimizer_overlap, stalls_removed
 
 MARGIN = 0.10
@@ -175,6 +175,7 @@ _WAITED_FOR = {
     DISK_READ: "disk reads",
     DISK_WRITE: "disk writes",
     OPTIMIZER_STEP: "the reads and writes of the optimizer step running in it",
+    REDUCTION: "the gradient reductions (the slowest rank's gradients)",
 }
 
 
