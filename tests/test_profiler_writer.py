@@ -224,3 +224,22 @@ def test_rss_is_sampled_at_phase_changes_and_sees_memory_the_process_takes(tmp_p
     held.close()
     rss = [r["bytes"] for r in _lines(w.path) if r["type"] == "rss"]
     assert len(rss) == 3 and rss[1] - rss[0] >= 60 << 20
+
+
+def test_a_wait_for_memory_is_a_pool_exhaustion_and_on_the_training_thread_a_stall(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path, 0, 1, {})
+    w.begin_step(0, 0)
+    w.memory_wait("host", "param", ("blocks.3#0", "param"), 10, 40)
+    w.open_span("stall")  # inside a gather's wait: the gather's stall covers it
+    w.memory_wait("host", "optimizer", ("blocks.4#0", "exp_avg"), 50, 60)
+    w.close_span("stall")
+    other = threading.Thread(target=w.memory_wait, args=("device", "param", ("blocks.5#0", "param"), 70, 90))
+    other.start()
+    other.join()
+    w.end_step(0, 100)
+    w.close()
+    records = _lines(w.path)
+    pools = [(r["pool"], r["wait_ns"]) for r in records if r["type"] == "pool"]
+    assert pools == [("param", 30), ("optimizer", 10), ("device param", 20)]
+    stalls = [(r["block"], r["start_ns"], r["end_ns"], r["waited_on"]) for r in records if r["type"] == "stall"]
+    assert stalls == [("blocks.3", 10, 40, "pool")]  # not the covered one, nor another thread's

@@ -276,6 +276,42 @@ def test_a_fetch_waits_for_memory_that_another_thread_releases(disk_dir: Path) -
         assert got and store.high_water_bytes("device") <= MiB
 
 
+class MemoryWaits(ListRecorder):
+    """A recorder that keeps the store's waits for memory: (tier, holder, key, waited ns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[tuple] = []
+
+    def live(self, tier: str, nbytes: int, t_ns: int) -> None: ...
+
+    def held(self, tier: str, holder: str, nbytes: int, t_ns: int) -> None: ...
+
+    def memory_wait(self, tier: str, holder: str, key, start_ns: int, end_ns: int) -> None:
+        self.waits.append((tier, holder, key, end_ns - start_ns))
+
+
+def test_a_wait_for_memory_goes_to_the_recorder_and_a_reclaim_does_not(disk_dir: Path) -> None:
+    """An allocation that waits for a release (the budget spent, nothing cached to reclaim) tells the recorder
+    which tier, holder and key waited, and for how long; one that frees a cached copy instead tells nothing."""
+    recorder = MemoryWaits()
+    a, b = ("a", "param"), ("b", "param")
+    with _store(disk_dir, recorder, device_bytes=MiB) as store:
+        for key in (a, b):
+            store.put(key, _shard(MiB // 4, torch.float32), "host").wait()
+        store.fetch(a, "device").wait()
+        store.release(a, "device")  # cached: the next fetch reclaims it
+        store.fetch(b, "device").wait()
+        assert recorder.waits == []
+        waiter = threading.Thread(target=lambda: store.fetch(a, "device").wait())
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # "b" is in use and fills the budget
+        store.release(b, "device")
+        waiter.join(5)
+        assert [w[:3] for w in recorder.waits] == [("device", "param", a)] and recorder.waits[0][3] > 0
+
+
 def test_a_shard_larger_than_a_budget_fails_at_once_and_the_store_goes_on(disk_dir: Path) -> None:
     with _store(disk_dir, device_bytes=MiB) as store:
         store.put("big", _shard(MiB, torch.float32), "host").wait()

@@ -253,7 +253,11 @@ class NativeStepper:
     ) -> None:
         block = self._span_name(flat.name)
         start = time.perf_counter_ns()
-        lent = self.shards.lend(flat, with_grad=grad is None, gather_next=gather_next)
+        self.prof.open_span("stall")  # a wait for memory inside is part of this one
+        try:
+            lent = self.shards.lend(flat, with_grad=grad is None, gather_next=gather_next)
+        finally:
+            self.prof.close_span("stall")
         fetched = time.perf_counter_ns()
         if lent.fetched:  # it waited for reads of its state
             self.prof.stall(block, start, fetched, self._waited_on("nvme->host"))

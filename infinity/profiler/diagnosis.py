@@ -17,7 +17,8 @@ naming only a key that changes something in this run (`knob_effects`), with the 
 - the optimizer phase stalled > STALL_SHARE on the disk while the disk was busy for less than
   OPTIMIZER_DISK_BUSY of it: reads start too late -> a larger optimizer window.
 - a buffer pool exhausted at least once per step (and POOL_MIN_COUNT times), or its waits >=
-  POOL_WAIT_SHARE of step time -> more of that pool ("param": the read-ahead, "optimizer": the window).
+  POOL_WAIT_SHARE of step time -> more of that pool ("param": the read-ahead, "optimizer": the window,
+  "grad" and "staging": the host budget where it is explicit).
 - NVMe reads (writes) ran, while busy, below DISK_FRACTION of the probed disk -> more requests in
   flight (`aio.queue_depth`, then `aio.intra_op_parallelism`, then `aio.block_size`).
 The verdict says "no change needed" only when no setting is to change and the step is within
@@ -36,6 +37,7 @@ from infinity.profiler.format import COLLECTIVE, DISK_READ, DISK_WRITE, OPTIMIZE
 from infinity.profiler.knob_effects import (
     Change,
     aio_change,
+    host_budget_change,
     optimizer_window_change,
     prefetch_change,
     read_ahead_change,
@@ -225,6 +227,8 @@ class _Rules:
                 change = read_ahead_change(f.config, f.largest_param_bytes)
             elif pool == "optimizer":
                 change = optimizer_window_change(f.config, f.largest_param_bytes)
+            elif pool in ("grad", "staging") and f.config.get("zero_optimization", {}).get("host_budget_bytes"):
+                change = host_budget_change(f.config, 4 * f.largest_param_bytes, "the host budget is explicit")
             else:
                 self.notes.append(f"{evidence}; no setting sizes a pool named '{pool}'")
                 continue

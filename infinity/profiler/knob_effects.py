@@ -59,6 +59,13 @@ def _raise_host_budget(config: dict, extra_bytes: int, why: str) -> Change:
     return Change("zero_optimization.host_budget_bytes", current, current + max(extra_bytes, current // 2), why)
 
 
+def host_budget_change(config: dict, extra_bytes: int, why: str) -> Change | None:
+    """A larger explicit `host_budget_bytes`; None when the host budget is not explicit."""
+    if _zero(config).get("host_budget_bytes") is None:
+        return None
+    return _raise_host_budget(config, extra_bytes, why)
+
+
 def read_ahead_change(config: dict, largest_shard_bytes: int) -> Change | None:
     """The setting that keeps more NVMe parameter shards in host memory, with a value that does; None when
     parameters are not on NVMe."""

@@ -260,6 +260,17 @@ class TraceWriter:
         if self._active:
             self._put(("pool", pool, "exhausted", wait_ns, now_ns() if t_ns is None else t_ns, self._step))
 
+    def memory_wait(self, tier: str, holder: str, key: Hashable | None, start_ns: int, end_ns: int) -> None:
+        """The store waited over [start_ns, end_ns] for `tier` memory for `key`'s copy, held by `holder`
+        ("param", "optimizer", "grad", "staging"): the budget was spent and nothing could be reclaimed. A
+        `pool` exhaustion of `holder` (on the device tier, "device <holder>"); on the training thread also a
+        stall on "pool" (dropped inside a stall span that covers it)."""
+        pool = holder if tier == "host" else f"{tier} {holder}"
+        self.pool_exhausted(pool, end_ns - start_ns, end_ns)
+        if threading.current_thread() is threading.main_thread():
+            block = self.block_of(key) if key is not None else "<memory>"
+            self.stall(block, start_ns, end_ns, "pool")
+
     def live(self, tier: str, nbytes: int, t_ns: int | None = None) -> None:
         """Tier `tier` now holds `nbytes` live bytes (kept even outside the window, written inside it)."""
         self._live[tier] = nbytes

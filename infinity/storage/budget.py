@@ -40,10 +40,17 @@ class BudgetedAllocator:
         """Callers blocked for memory now; owners free released copies at once while this is > 0."""
         return self._waiting
 
-    def acquire(self, nbytes: int, wait: bool = True, timeout_s: float | None = None) -> Any:
+    def acquire(
+        self,
+        nbytes: int,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        on_wait: Callable[[int, int], None] | None = None,
+    ) -> Any:
         """Memory for `nbytes`, waiting (up to timeout_s) for a release when the budget is spent.
 
-        Without `wait`, returns None instead of reclaiming or waiting.
+        Without `wait`, returns None instead of reclaiming or waiting. `on_wait(start_ns, end_ns)` is called
+        once the memory came, if it had to wait for a release (reclaiming alone is not waiting).
         """
         need = self._footprint(nbytes)
         if self.budget_bytes is not None and need > self.budget_bytes:
@@ -56,6 +63,7 @@ class BudgetedAllocator:
             if item is not None or not wait:
                 return item
             self._waiting += 1
+        waited_from = None
         try:
             timeout = self.timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout
@@ -64,7 +72,7 @@ class BudgetedAllocator:
                     seen = self._releases
                     item = self._take(need)
                     if item is not None:
-                        return item
+                        break
                 if self.reclaim is not None and self.reclaim(need):
                     continue
                 with self._cond:
@@ -75,10 +83,15 @@ class BudgetedAllocator:
                             f"{self.budget_bytes} budget bytes stay in use and none came back. Release fetched "
                             "copies (or wait for in-flight moves) before asking for more"
                         )
+                    if waited_from is None:
+                        waited_from = time.perf_counter_ns()
                     self._cond.wait_for(lambda s=seen: self._releases != s, timeout=left)
         finally:
             with self._cond:
                 self._waiting -= 1
+        if waited_from is not None and on_wait is not None:
+            on_wait(waited_from, time.perf_counter_ns())
+        return item
 
     def release(self, item: Any) -> None:
         with self._cond:

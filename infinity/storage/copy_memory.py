@@ -54,11 +54,21 @@ class CopyMemory:
         for tier, mem in self._mem.items():
             mem.reclaim = lambda _nbytes, t=tier: self._reclaim(t, demand=True)
 
-    def _alloc(self, tier: Tier, nbytes: int, wait: bool, holder: str = "staging") -> torch.Tensor | None:
-        """A buffer on `tier`, accounted to `holder` (`holder_of(key)` for a key's copy; "staging" else)."""
+    def _alloc(
+        self, tier: Tier, nbytes: int, wait: bool, holder: str = "staging", key: Hashable | None = None
+    ) -> torch.Tensor | None:
+        """A buffer on `tier`, accounted to `holder` (`holder_of(key)` for a key's copy; "staging" else), for
+        `key`'s bytes; a wait for memory (the budget spent, nothing to reclaim) goes to the recorder."""
         mem = self._mem[tier]
         if wait:
-            buf = mem.acquire(nbytes)  # reclaims through the hook, then waits
+            recorder = self._recorder
+            on_wait = None
+            if recorder is not None and hasattr(recorder, "memory_wait"):
+
+                def on_wait(start_ns: int, end_ns: int) -> None:
+                    recorder.memory_wait(tier.value, holder, key, start_ns, end_ns)
+
+            buf = mem.acquire(nbytes, on_wait=on_wait)  # reclaims through the hook, then waits
         else:
             while True:
                 buf = mem.acquire(nbytes, wait=False)

@@ -94,7 +94,7 @@ class TierMover(CopyMemory):
             staged = self._load(key, Tier.HOST, wait, prefetched=False, hold=True)
             if staged is None:
                 return None
-        buf = self._alloc(tier, shard.nbytes, wait, holder_of(key))
+        buf = self._alloc(tier, shard.nbytes, wait, holder_of(key), key)
         with self._lock:
             # Meanwhile another thread may have loaded the copy, dropped the key, or freed the host copy
             # a device copy must come from (NVMe reads land in aligned host buffers only).

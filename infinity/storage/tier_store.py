@@ -132,10 +132,10 @@ class TierStore(TierMover):
             if home is Tier.NVME:
                 shard.nvme_offset = self._file.allocate(shard.nbytes)
                 if aligned_view(flat) is None:  # O_DIRECT needs 4 KiB-aligned memory: stage a copy
-                    staging = self._alloc(Tier.HOST, shard.nbytes, wait=True)
+                    staging = self._alloc(Tier.HOST, shard.nbytes, wait=True, key=key)
                     copy_bytes(staging[: shard.nbytes], flat)
             else:
-                buf = self._alloc(home, shard.nbytes, wait=True, holder=holder_of(key))
+                buf = self._alloc(home, shard.nbytes, wait=True, holder=holder_of(key), key=key)
                 shard.copies[home] = Copy(home, buf, home=True)
             with self._lock:  # registered and written in one step: no one sees the key before its write
                 if key in self._shards:
@@ -179,7 +179,7 @@ class TierStore(TierMover):
             shard = self._get(key)
             there = tier in shard.copies
         if not there:
-            buf = self._alloc(tier, shard.nbytes, wait=True, holder=holder_of(key))
+            buf = self._alloc(tier, shard.nbytes, wait=True, holder=holder_of(key), key=key)
             with self._lock:
                 if shard.copies.get(tier) is None and self._shards.get(key) is shard:
                     copy = shard.copies[tier] = Copy(tier, buf, refs=1)
@@ -242,7 +242,7 @@ class TierStore(TierMover):
                 if pending is not None:
                     pending()
                 elif staging is None:  # O_DIRECT needs an aligned host buffer; allocating may wait
-                    staging = self._alloc(Tier.HOST, shard.nbytes, wait=True)
+                    staging = self._alloc(Tier.HOST, shard.nbytes, wait=True, key=key)
                     copy_bytes(staging[: shard.nbytes], flat)
                 else:
                     self._release(Tier.HOST, staging)
