@@ -150,9 +150,29 @@ def test_gathers_and_reductions_in_reused_memory_are_exact(world):
     assert run_distributed(_collectives_in_reused_memory, world, world, timeout_s=60) == [[]] * world
 
 
+def test_keeping_gathers_only_lends_fresh_memory_and_keeps_what_gathers_drained():
+    buffers = CollectiveBuffers()
+    buffers.keep_gathers_only()
+    lent = buffers.take(8, torch.float32, CPU)
+    del lent
+    assert buffers.kept_bytes == 0  # `take` lent fresh memory, gone with its tensor
+    storage = torch.UntypedStorage(0)
+    buffers.fill(storage, 64)
+    address = storage.data_ptr()
+    buffers.drain(storage)
+    assert buffers.kept_bytes == 64
+    again = torch.UntypedStorage(0)
+    buffers.fill(again, 64)
+    assert again.data_ptr() == address and buffers.kept_bytes == 0  # the gather reused it
+    buffers.take(16, torch.uint8, CPU)
+    assert buffers.kept_bytes == 0
+
+
 @pytest.mark.parametrize("budget", [None, 1 << 30])
-def test_the_engine_keeps_gathered_memory_unless_a_host_budget_says_host_memory_is_the_constraint(budget, disk_dir):
-    """One rank with parameters on NVMe gathers (copies) every block; its memory stays in the pool between uses."""
+def test_the_engine_keeps_gathered_memory_and_under_a_host_budget_lends_fresh_memory_for_the_rest(budget, disk_dir):
+    """One rank with parameters on NVMe gathers (copies) every block; its memory stays in the pool between
+    uses, with a host budget too (the gather window is in the plan). Under a budget what `take` lends
+    (reductions, held gradients) is not kept."""
     extra_zero = {} if budget is None else {"host_budget_bytes": budget}
     cfg = config("mlp", offload_param="nvme", nvme_path=str(disk_dir), extra_zero=extra_zero)
     engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
@@ -163,7 +183,7 @@ def test_the_engine_keeps_gathered_memory_unless_a_host_budget_says_host_memory_
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        assert engine.comm.buffers.enabled is (budget is None)
-        assert (engine.comm.buffers.kept_bytes > 0) is (budget is None)  # the blocks' memory, between steps
+        assert engine.comm.buffers.enabled and engine.comm.buffers.lends_kept is (budget is None)
+        assert engine.comm.buffers.kept_bytes > 0  # the blocks' memory, between steps
     finally:
         engine.close()

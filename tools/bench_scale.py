@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "starts (GLIBC_TUNABLES=glibc.malloc.hugetlb=1); off: it does not")  # fmt: skip
     parser.add_argument("--gc-interval-s", type=float, default=0.0,
                         help="run gc.collect() every this many seconds from a side thread (0: off)")  # fmt: skip
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="record swap traces of the timed steps into DIR (read them with `infinity profile DIR`)")
     parser.add_argument("--json", action="store_true", help="stderr: progress only; stdout: the JSON line")
     parser.add_argument("--reference-child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -162,7 +164,7 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
         "sub_group_size": SUB_GROUP_SIZE,
         **json.loads(args.zero),
     }
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
@@ -171,6 +173,9 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
         "aio": json.loads(args.aio),
         "bf16": {"enabled": args.dtype == "bf16"},
     }
+    if args.profile is not None:  # the timed steps: the warm-up is step 0
+        config["profiler"] = {"enabled": True, "path": args.profile, "start_step": 1}
+    return config
 
 
 def token_batches(batch: int, seq: int, vocab: int) -> Iterator[tuple[Any, Any]]:

@@ -51,6 +51,7 @@ class CollectiveBuffers:
 
     def __init__(self) -> None:
         self.enabled = _APIS_BEHAVE
+        self.lends_kept = True  # `take` lends kept buffers (else fresh memory, freed when dropped)
         self._holders: list[torch.UntypedStorage] = []
         self._filled: dict[int, int] = {}  # storages `fill` gave memory to and `drain` has not taken back, by size
 
@@ -65,7 +66,7 @@ class CollectiveBuffers:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of `numel` elements (contents undefined), on a buffer nobody holds if there is one."""
-        if not self._reuses(device):
+        if not self._reuses(device) or not self.lends_kept:
             return torch.empty(numel, dtype=dtype, device=device)
         nbytes = numel * dtype.itemsize
         holder = self._free_holder(nbytes)
@@ -107,9 +108,16 @@ class CollectiveBuffers:
         self._filled = {}
 
     def stop_keeping(self) -> None:
-        """From now on every buffer comes from malloc and goes back to it (a run whose host memory is the
-        constraint: see `engine.host_memory`)."""
+        """From now on every buffer comes from malloc and goes back to it."""
         self.enabled = False
+        self.clear()
+
+    def keep_gathers_only(self) -> None:
+        """From now on (before the first gather) `take` lends fresh memory, freed when dropped; gathered flats
+        still reuse what `drain` kept. For a run whose host memory is the constraint: the gather window is in
+        its plan (the compute's working set), while what `take` lends (reductions, gradients held for a
+        deferred step) would outlive its use in the pool."""
+        self.lends_kept = False
         self.clear()
 
     @property

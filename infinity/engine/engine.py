@@ -92,8 +92,8 @@ class InfinityEngine(EngineStateIO):
         if rank == 0 and notice is not None:  # every buffer a fresh mapping: see host_memory
             print(notice, file=sys.stderr)
         apply_process_settings(self.placement)
-        if z.host_budget_bytes is not None:  # host memory is the constraint: gathered memory goes back at once
-            self.comm.buffers.stop_keeping()
+        if z.host_budget_bytes is not None:  # host memory is the constraint: only the gather window is kept
+            self.comm.buffers.keep_gathers_only()
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
@@ -320,7 +320,7 @@ class InfinityEngine(EngineStateIO):
     @property
     def kept_buffer_bytes(self) -> int:
         """Host memory kept between uses for gathers, gradient reductions and held gradients, lent out or not
-        (`comm.buffers`: none under an explicit `host_budget_bytes`)."""
+        (`comm.buffers`: under an explicit `host_budget_bytes`, for gathers only)."""
         return self.comm.buffers.kept_bytes
 
     @property
