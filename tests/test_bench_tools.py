@@ -92,6 +92,19 @@ def test_bench_scale_disk_check_asks_for_the_swap_the_7e9_8bit_run_makes():
     assert clipped["swap_bytes"] - need["swap_bytes"] == pytest.approx(4 * n, rel=1e-3)  # gradients wait on NVMe
 
 
+def test_bench_scale_profile_records_the_timed_steps_only(tmp_path):
+    import bench_scale
+
+    from infinity.config import load_config
+
+    args = bench_scale.parse_args(["--params", "3e9", "--profile", str(tmp_path / "traces")])
+    cfg = load_config(bench_scale.engine_config(args, tmp_path))
+    assert cfg.profiler.enabled and cfg.profiler.path == str(tmp_path / "traces")
+    assert cfg.profiler.start_step == 1  # the warm-up is step 0
+    unprofiled = bench_scale.engine_config(bench_scale.parse_args(["--params", "3e9"]), tmp_path)
+    assert load_config(unprofiled).profiler.enabled is False
+
+
 def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp_path):
     """...and with --profile, infinity's timed steps leave swap traces that the profiler reads."""
     scratch, profile = tmp_path / "scratch", tmp_path / "profile"

@@ -27,6 +27,8 @@ What it measures, in one process (world size 1, the CPU as the compute device wh
    gradient traffic), io_s at fio's read and write bandwidth (additive, and io_s_overlap if reads and
    writes overlapped), compute_s from one layer in plain PyTorch in memory (child process) x n_layer
    + the head. bound_s = max(compute_s, io_s); ratio_to_bound = step_s / bound_s.
+6. With `--profile DIR`, the engine's profiler records swap traces of the timed steps (not the warm-up)
+   into DIR; `infinity profile DIR` reads them (where each step's time went, and what to change).
 
 JSON (last line of stdout): params, step_s, peak_rss_bytes, disk_bytes_per_param (swap bytes on disk /
 params), moved_bytes_per_param_per_step ((read + written) / params, /proc/self/io, median step),
