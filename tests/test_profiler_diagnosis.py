@@ -182,12 +182,8 @@ def test_no_recommendation_ever_names_a_pipeline_key(tmp_path: Path) -> None:
 def test_a_host_optimizer_after_a_gpu_backward_is_named_with_its_saving(tmp_path: Path) -> None:
     """Forward and backward 400 ms each on the GPU, then 8 shards of host Adam, 25 ms each: the optimizer
     could run beside backward (max(400, 200) ms) leaving one window's half (2 of 8 shards) after it."""
-    config = {
-        "zero_optimization": {
-            "offload_param": {"device": "cpu"},
-            "offload_optimizer": {"device": "cpu", "buffer_count": 4},
-        }
-    }
+    config = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu",
+                                                                                             "buffer_count": 4}}}
     ms = 1_000_000
     with TraceWriter(tmp_path, 0, 1, {"offload_param": {"device": "cpu"}}, config=config, device="cuda") as w:
         w.begin_step(0, 0)
