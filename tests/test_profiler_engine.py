@@ -16,11 +16,19 @@ from infinity.profiler.traces import load_traces
 STEPS = 3
 
 
-def profiled_run(nvme_path: str, trace_dir: str | None) -> dict:
+def profiled_run(nvme_path: str, trace_dir: str | None, clip: float = 1.0, host_budget: int | None = None) -> dict:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = config(micro_bs=2, persistence=64, offload_param="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
+    cfg = config(
+        micro_bs=2,
+        persistence=64,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        clip=clip,
+        nvme_path=nvme_path,
+        extra_zero={"host_budget_bytes": host_budget},
+    )
     if trace_dir is not None:
         cfg["profiler"] = {"enabled": True, "path": trace_dir, "start_step": 0, "end_step": STEPS - 1}
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
@@ -36,6 +44,9 @@ def profiled_run(nvme_path: str, trace_dir: str | None) -> dict:
         "param_bytes_moved": {"nvme->host": engine.shards.param_bytes_fetched},  # what gathers asked for
         "uses": engine.scheduler.uses,
         "blocks": [b.name for b in engine.blocks],
+        "flats": [f.name for f in engine.shards.records],
+        "stepped_when_needed": engine.optimizer.stepped_when_needed,
+        "stepped_in_backward": engine.optimizer.stepped_in_backward,
     }
     engine.close()
     return result
@@ -90,36 +101,6 @@ def test_profiler_off_records_nothing(tmp_path):
     assert not trace_dir.exists()
 
 
-def optimizer_step_run(nvme_path: str, trace_dir: str, clip: float, host_budget: int | None) -> dict:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = config(
-        micro_bs=2,
-        persistence=64,
-        offload_param="nvme",
-        offload_optimizer="nvme",
-        clip=clip,
-        nvme_path=nvme_path,
-        extra_zero={"host_budget_bytes": host_budget},
-    )
-    cfg["profiler"] = {"enabled": True, "path": trace_dir, "start_step": 0, "end_step": STEPS - 1}
-    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
-    data = batches("gpt", 2, rank=rank, world_size=world)
-    for _ in range(STEPS):
-        x, y = next(data)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-    result = {
-        "flats": [f.name for f in engine.shards.records],
-        "stepped_when_needed": engine.optimizer.stepped_when_needed,
-        "stepped_in_backward": engine.optimizer.stepped_in_backward,
-    }
-    engine.close()
-    return result
-
-
 @pytest.mark.parametrize(
     "world,clip,host_budget", [(1, 1.0, None), (2, 1.0, None), (2, 0.0, None), (1, 0.0, 256 << 20)]
 )
@@ -132,7 +113,7 @@ def test_an_optimizer_step_inside_forward_or_backward_records_its_arithmetic_and
     block's span covers it, is compute of the flat parameter ("<block>#<group>"), never overlapping the
     blocks' own spans; the report counts those stalls in their phase."""
     trace_dir = tmp_path / "trace"
-    results = run_distributed(optimizer_step_run, world, str(tmp_path), str(trace_dir), clip, host_budget)
+    results = run_distributed(profiled_run, world, str(tmp_path), str(trace_dir), clip, host_budget)
     traces = load_traces(sorted(trace_dir.glob("trace_rank*.jsonl")))
     assert analysis.validate(traces) == []
     in_forward = host_budget is None
