@@ -150,9 +150,43 @@ def test_gathers_and_reductions_in_reused_memory_are_exact(world):
     assert run_distributed(_collectives_in_reused_memory, world, world, timeout_s=60) == [[]] * world
 
 
-def test_keeping_gathers_only_lends_fresh_memory_and_keeps_what_gathers_drained():
+def test_an_aligned_buffer_starts_on_the_boundary_covers_the_padding_and_is_lent_again_once_dropped():
+    from infinity.storage import ALIGN, aligned_view
+
     buffers = CollectiveBuffers()
-    buffers.keep_gathers_only()
+    for numel in (1, 1000, 1024, 5000):
+        lent = buffers.take(numel, torch.float32, CPU, align=ALIGN)
+        assert lent.numel() == numel and lent.data_ptr() % ALIGN == 0
+        assert aligned_view(lent) is not None  # direct I/O writes it in place
+        address = lent.data_ptr()
+        del lent
+        assert buffers.take(numel, torch.float32, CPU, align=ALIGN).data_ptr() == address
+
+
+def test_a_lending_limit_keeps_the_latest_buffers_lent_and_leaves_the_gathers_own_alone():
+    buffers = CollectiveBuffers()
+    buffers.limit_lending(2)
+    storage = torch.UntypedStorage(0)
+    buffers.fill(storage, 64)
+    buffers.drain(storage)  # a gather's buffer: kept whatever the limit
+    held = [buffers.take(16, torch.float32, CPU) for _ in range(4)]  # four in use at once: all lent
+    addresses = [t.data_ptr() for t in held]
+    assert buffers.kept_bytes == 64 + 4 * 64
+    del held
+    again = buffers.take(16, torch.float32, CPU)
+    assert again.data_ptr() in addresses  # a free one is lent again, not fresh memory
+    del again
+    other = buffers.take(8, torch.float32, CPU)  # a new size: free ones go, the new one counted in the limit
+    assert buffers.kept_bytes == 64 + 64 + 32
+    del other
+    storage = torch.UntypedStorage(0)
+    buffers.fill(storage, 64)  # the gather's buffer was never lent
+    assert buffers.kept_bytes == 64 + 32
+
+
+def test_a_lending_limit_of_zero_lends_fresh_memory_and_keeps_what_gathers_drained():
+    buffers = CollectiveBuffers()
+    buffers.limit_lending(0)
     lent = buffers.take(8, torch.float32, CPU)
     del lent
     assert buffers.kept_bytes == 0  # `take` lent fresh memory, gone with its tensor
@@ -169,21 +203,38 @@ def test_keeping_gathers_only_lends_fresh_memory_and_keeps_what_gathers_drained(
 
 
 @pytest.mark.parametrize("budget", [None, 1 << 30])
-def test_the_engine_keeps_gathered_memory_and_under_a_host_budget_lends_fresh_memory_for_the_rest(budget, disk_dir):
-    """One rank with parameters on NVMe gathers (copies) every block; its memory stays in the pool between
-    uses, with a host budget too (the gather window is in the plan). Under a budget what `take` lends
-    (reductions, held gradients) is not kept."""
+def test_the_engine_keeps_gathered_memory_and_reuses_one_ranks_gradient_flats(budget, disk_dir):
+    """One rank with parameters and optimizer on NVMe gathers (copies) every block; its memory stays in the
+    pool between uses, with a host budget too (the gather window is in the plan). The gradient flats the
+    clipped step waits for (written to NVMe under a budget, held in memory without) are 4 KiB-aligned and
+    come from the same few buffers every step; under a budget the pool keeps no more of them than its plan
+    counts."""
+    from infinity.storage import ALIGN
+
     extra_zero = {} if budget is None else {"host_budget_bytes": budget}
-    cfg = config("mlp", offload_param="nvme", nvme_path=str(disk_dir), extra_zero=extra_zero)
+    cfg = config("mlp", offload_param="nvme", offload_optimizer="nvme", nvme_path=str(disk_dir), clip=1.0,
+                 extra_zero=extra_zero)  # fmt: skip
     engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
+    flats: list[set[int]] = []
+    accumulate = engine.shards.accumulate_grad
+
+    def spy(flat, grad, final):
+        flats[-1].add(grad.data_ptr())
+        return accumulate(flat, grad, final)
+
+    engine.shards.accumulate_grad = spy
     try:
         assert engine.comm.buffers.kept_bytes == 0  # the flats' memory from before sharding was freed
+        assert engine.comm.buffers.lend_limit == (None if budget is None else engine.optimizer.stepper.window // 2 + 2)
         x, y = next(batches("mlp", 2))
-        for _ in range(2):
+        for _ in range(3):
+            flats.append(set())
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        assert engine.comm.buffers.enabled and engine.comm.buffers.lends_kept is (budget is None)
-        assert engine.comm.buffers.kept_bytes > 0  # the blocks' memory, between steps
+        assert engine.shards.placement.optim_home.value == "nvme" and all(flats)
+        assert all(address % ALIGN == 0 for step in flats for address in step)
+        assert flats[2] <= flats[0] | flats[1]  # no fresh memory for the third step's gradients
+        assert engine.comm.buffers.enabled and engine.comm.buffers.kept_bytes > 0  # between steps
     finally:
         engine.close()

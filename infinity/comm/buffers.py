@@ -10,7 +10,8 @@ gradient shards a deferred NVMe step holds in host memory, copied out of their r
 Two ways to borrow: `fill`/`drain` move a buffer's memory into a flat's own storage and back (the
 storage object stays the one autograd's saved views point at), and `take` lends a tensor on a buffer
 that is free again once no tensor shares its storage (a view kept by whoever summed it, a collective
-still sending it), so a caller that keeps what it was given never sees it overwritten.
+still sending it, an NVMe write still reading it), so a caller that keeps what it was given never sees
+it overwritten. `take(align=4096)` lends a tensor that direct I/O can write in place (`aligned_view`).
 """
 
 from __future__ import annotations
@@ -51,29 +52,47 @@ class CollectiveBuffers:
 
     def __init__(self) -> None:
         self.enabled = _APIS_BEHAVE
-        self.lends_kept = True  # `take` lends kept buffers (else fresh memory, freed when dropped)
+        # `take` keeps at most this many buffers of its own (None: as many as were lent at once, shared
+        # with the gathers' buffers)
+        self.lend_limit: int | None = None
         self._holders: list[torch.UntypedStorage] = []
+        self._lent: list[torch.UntypedStorage] = []  # `take`'s own, under a `lend_limit`, oldest first
         self._filled: dict[int, int] = {}  # storages `fill` gave memory to and `drain` has not taken back, by size
 
     def _reuses(self, device: torch.device) -> bool:
         return self.enabled and device.type == "cpu"
 
-    def _free_holder(self, nbytes: int) -> torch.UntypedStorage | None:
-        for holder in self._holders:
+    @staticmethod
+    def _free_holder(holders: list[torch.UntypedStorage], nbytes: int) -> torch.UntypedStorage | None:
+        for holder in holders:
             if holder.nbytes() == nbytes and _unused(holder):
                 return holder
         return None
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat tensor of `numel` elements (contents undefined), on a buffer nobody holds if there is one."""
-        if not self._reuses(device) or not self.lends_kept:
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, align: int = 1) -> torch.Tensor:
+        """A flat tensor of `numel` elements (contents undefined), on a buffer nobody holds if there is one.
+        With `align` > 1 (host memory) it starts on an `align`-byte boundary and its storage runs on to the
+        next boundary past its end, so that direct I/O reads or writes it in place."""
+        if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
         nbytes = numel * dtype.itemsize
-        holder = self._free_holder(nbytes)
+        if align > 1:  # room for the skip to the boundary and for the padding after the end
+            nbytes = -(-nbytes // align) * align + align
+        holders = self._holders if self.lend_limit is None else self._lent
+        holder = self._free_holder(holders, nbytes) if self._reuses(device) else None
         if holder is None:
             holder = torch.UntypedStorage(nbytes, device=device)
-            self._holders.append(holder)
-        return torch.empty(0, dtype=dtype, device=device).set_(holder, 0, (numel,))
+            if self._reuses(device) and self.lend_limit != 0:
+                if self.lend_limit is not None:
+                    self._let_go_of_lent(self.lend_limit - 1)
+                holders.append(holder)
+        skip = -holder.data_ptr() % align // dtype.itemsize
+        return torch.empty(0, dtype=dtype, device=device).set_(holder, skip, (numel,))
+
+    def _let_go_of_lent(self, keep: int) -> None:
+        """Drop `take`'s own buffers that nobody holds, oldest first, until at most `keep` are left."""
+        for holder in [h for h in self._lent if _unused(h)][: max(0, len(self._lent) - keep)]:
+            self._lent.remove(holder)
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty `storage` `nbytes` of memory (contents undefined): a kept buffer's, else new."""
@@ -83,7 +102,7 @@ class CollectiveBuffers:
             storage.resize_(nbytes)
             return
         self._filled[nbytes] = self._filled.get(nbytes, 0) + 1
-        holder = self._free_holder(nbytes)
+        holder = self._free_holder(self._holders, nbytes)
         if holder is None:
             storage.resize_(nbytes)
             return
@@ -105,6 +124,7 @@ class CollectiveBuffers:
     def clear(self) -> None:
         """Let every kept buffer go (those lent out stay with their borrowers, and are freed when drained)."""
         self._holders = []
+        self._lent = []
         self._filled = {}
 
     def stop_keeping(self) -> None:
@@ -112,15 +132,16 @@ class CollectiveBuffers:
         self.enabled = False
         self.clear()
 
-    def keep_gathers_only(self) -> None:
-        """From now on (before the first gather) `take` lends fresh memory, freed when dropped; gathered flats
-        still reuse what `drain` kept. For a run whose host memory is the constraint: the gather window is in
-        its plan (the compute's working set), while what `take` lends (reductions, gradients held for a
-        deferred step) would outlive its use in the pool."""
-        self.lends_kept = False
+    def limit_lending(self, kept: int) -> None:
+        """From now on (before the first gather) `take` keeps at most `kept` buffers of its own, the latest
+        lent (0: it lends fresh memory, freed when dropped), apart from the gathers' buffers, which `fill`
+        and `drain` still reuse. For a run whose host memory is the constraint: the gather window and the
+        gradients in flight are in its plan (the compute's working set), while an unlimited pool would
+        keep, between steps, as many buffers as were ever lent at once."""
+        self.lend_limit = kept
         self.clear()
 
     @property
     def kept_bytes(self) -> int:
         """Bytes the pool keeps, lent out by `take` or not."""
-        return sum(h.nbytes() for h in self._holders)
+        return sum(h.nbytes() for h in (*self._holders, *self._lent))

@@ -92,8 +92,6 @@ class InfinityEngine(EngineStateIO):
         if rank == 0 and notice is not None:  # every buffer a fresh mapping: see host_memory
             print(notice, file=sys.stderr)
         apply_process_settings(self.placement)
-        if z.host_budget_bytes is not None:  # host memory is the constraint: only the gather window is kept
-            self.comm.buffers.keep_gathers_only()
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
@@ -113,6 +111,10 @@ class InfinityEngine(EngineStateIO):
         held_grads = waiting_grads if self.grads_in_host else 0
         spare = spare_host_bytes(z, self.placement, held_grads, available)
         memory = plan_memory(z, plan, self.placement, groups.group_of, spare)
+        if z.host_budget_bytes is not None:  # host memory is the constraint: keep what its plan counts
+            # the gather window, and the gradient flats in flight: those waiting for their step or their
+            # NVMe write (half the optimizer's window), the one stepped and the one being filled
+            self.comm.buffers.limit_lending(max(1, memory.optimizer_window // 2) + 2)
         homes = held if self.grads_in_host else on_nvme
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
@@ -320,7 +322,7 @@ class InfinityEngine(EngineStateIO):
     @property
     def kept_buffer_bytes(self) -> int:
         """Host memory kept between uses for gathers, gradient reductions and held gradients, lent out or not
-        (`comm.buffers`: under an explicit `host_budget_bytes`, for gathers only)."""
+        (`comm.buffers`: under an explicit `host_budget_bytes`, the gathers' and a few gradient flats)."""
         return self.comm.buffers.kept_bytes
 
     @property

@@ -17,7 +17,7 @@ from infinity.optim.steppers import NativeStepper, Stepper, TorchFusedStepper
 from infinity.partition.flat_param import FlatParam
 from infinity.shards.policy import StepperKind, StepTiming
 from infinity.shards.store import ShardStore
-from infinity.storage import aligned_empty
+from infinity.storage import ALIGN
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -70,9 +70,12 @@ class ShardedAdam(torch.optim.Optimizer):
                 self.shards.grad_written(flat, final)
             return
         # a host flat is 4 KiB-aligned so that an NVMe accumulator writes it in place (no staging copy), in
-        # the dtype the accumulator keeps
+        # the dtype the accumulator keeps, on memory reused step after step (one rank's reduction buffer):
+        # fresh memory costs the kernel's zeroing on first touch, the largest part of this copy
         dtype = self.shards.placement.grad_dtype
-        out = aligned_empty(flat.padded_numel * dtype.itemsize).view(dtype) if flat.full.device.type == "cpu" else None
+        out = None
+        if flat.full.device.type == "cpu":
+            out = self.shards.comm.buffers.take(flat.padded_numel, dtype, flat.full.device, align=ALIGN)
         full = flat.flat_grad(out)
         if full is not None:
             self.accumulate_grad(flat, full, final)

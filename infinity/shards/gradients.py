@@ -19,7 +19,7 @@ from infinity.partition.flat_param import FlatParam
 from infinity.shards.crossing import StagedCopy
 from infinity.shards.grad_norm import norm_sq
 from infinity.shards.kinds import ShardKind
-from infinity.storage import ALIGN, Tier, aligned_empty
+from infinity.storage import ALIGN, Tier
 
 GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
 
@@ -62,7 +62,8 @@ class GradientAccumulators:
         try:
             grad = staged.wait()
             if self.shard_view(flat, ShardKind.GRAD) is None:  # on NVMe: written from a copy that outlives `staged`
-                grad = _aligned_copy(grad, self.placement.grad_dtype)
+                dtype = self.placement.grad_dtype  # 4 KiB-aligned, so that the write reads it in place
+                grad = self.comm.buffers.take(grad.numel(), dtype, torch.device("cpu"), align=ALIGN).copy_(grad)
             self._add_grad(flat, grad, final)
         finally:
             self.crossing.release(staged)
@@ -201,10 +202,3 @@ class GradientAccumulators:
         """`_grad_in_memory`; a held sum is handed over (whoever takes it, a step, frees it)."""
         view = self.shard_view(flat, ShardKind.GRAD)
         return view if view is not None else self._held_grads.pop(flat, None)
-
-
-def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A copy of a host tensor in `dtype`, 4 KiB-aligned so that an NVMe write reads it in place."""
-    out = aligned_empty(t.numel() * dtype.itemsize).view(dtype)
-    out.copy_(t)
-    return out
