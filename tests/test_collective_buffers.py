@@ -173,15 +173,16 @@ def test_a_lending_limit_keeps_the_latest_buffers_lent_and_leaves_the_gathers_ow
     addresses = [t.data_ptr() for t in held]
     assert buffers.kept_bytes == 64 + 4 * 64
     del held
-    again = buffers.take(16, torch.float32, CPU)
-    assert again.data_ptr() in addresses  # a free one is lent again, not fresh memory
-    del again
-    other = buffers.take(8, torch.float32, CPU)  # a new size: free ones go, the new one counted in the limit
-    assert buffers.kept_bytes == 64 + 64 + 32
-    del other
+    smaller = buffers.take(8, torch.float32, CPU)
+    assert smaller.data_ptr() in addresses  # a free buffer large enough is lent again, not fresh memory
+    assert buffers.kept_bytes == 64 + 4 * 64
+    larger = buffers.take(32, torch.float32, CPU)  # none fits: new, and the free ones beyond the limit go
+    assert larger.data_ptr() not in addresses
+    assert buffers.kept_bytes == 64 + 64 + 128  # the gather's, the one still lent, the new one
+    del smaller, larger
     storage = torch.UntypedStorage(0)
     buffers.fill(storage, 64)  # the gather's buffer was never lent
-    assert buffers.kept_bytes == 64 + 32
+    assert buffers.kept_bytes == 64 + 128
 
 
 def test_a_lending_limit_of_zero_lends_fresh_memory_and_keeps_what_gathers_drained():

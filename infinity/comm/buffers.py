@@ -79,7 +79,9 @@ class CollectiveBuffers:
         if align > 1:  # room for the skip to the boundary and for the padding after the end
             nbytes = -(-nbytes // align) * align + align
         holders = self._holders if self.lend_limit is None else self._lent
-        holder = self._free_holder(holders, nbytes) if self._reuses(device) else None
+        holder = None
+        if self._reuses(device):
+            holder = self._free_holder(holders, nbytes) if self.lend_limit is None else self._free_fitting(nbytes)
         if holder is None:
             holder = torch.UntypedStorage(nbytes, device=device)
             if self._reuses(device) and self.lend_limit != 0:
@@ -88,6 +90,12 @@ class CollectiveBuffers:
                 holders.append(holder)
         skip = -holder.data_ptr() % align // dtype.itemsize
         return torch.empty(0, dtype=dtype, device=device).set_(holder, skip, (numel,))
+
+    def _free_fitting(self, nbytes: int) -> torch.UntypedStorage | None:
+        """The smallest of `take`'s own buffers that nobody holds and that holds `nbytes`: under a limit a
+        few buffers serve flats of several sizes (a block's attention and MLP pieces)."""
+        free = [h for h in self._lent if h.nbytes() >= nbytes and _unused(h)]
+        return min(free, key=lambda h: h.nbytes(), default=None)
 
     def _let_go_of_lent(self, keep: int) -> None:
         """Drop `take`'s own buffers that nobody holds, oldest first, until at most `keep` are left."""
