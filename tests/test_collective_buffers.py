@@ -176,6 +176,9 @@ def test_a_lending_limit_keeps_the_latest_buffers_lent_and_leaves_the_gathers_ow
     smaller = buffers.take(8, torch.float32, CPU)
     assert smaller.data_ptr() in addresses  # a free buffer large enough is lent again, not fresh memory
     assert buffers.kept_bytes == 64 + 4 * 64
+    tiny = buffers.take(7, torch.float32, CPU)  # a free one holds it, but more than twice over: new memory
+    assert tiny.data_ptr() not in addresses
+    del tiny
     larger = buffers.take(32, torch.float32, CPU)  # none fits: new, and the free ones beyond the limit go
     assert larger.data_ptr() not in addresses
     assert buffers.kept_bytes == 64 + 64 + 128  # the gather's, the one still lent, the new one

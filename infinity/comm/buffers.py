@@ -92,9 +92,10 @@ class CollectiveBuffers:
         return torch.empty(0, dtype=dtype, device=device).set_(holder, skip, (numel,))
 
     def _free_fitting(self, nbytes: int) -> torch.UntypedStorage | None:
-        """The smallest of `take`'s own buffers that nobody holds and that holds `nbytes`: under a limit a
-        few buffers serve flats of several sizes (a block's attention and MLP pieces)."""
-        free = [h for h in self._lent if h.nbytes() >= nbytes and _unused(h)]
+        """The smallest of `take`'s own buffers that nobody holds and that holds `nbytes` but not twice as
+        much: under a limit a few buffers serve flats of several sizes (a block's attention and MLP pieces),
+        while a small request (a reduction's received shard) does not tie up a whole flat's buffer."""
+        free = [h for h in self._lent if nbytes <= h.nbytes() <= 2 * nbytes and _unused(h)]
         return min(free, key=lambda h: h.nbytes(), default=None)
 
     def _let_go_of_lent(self, keep: int) -> None:
