@@ -131,3 +131,23 @@ def test_an_optimizer_step_inside_forward_or_backward_records_its_arithmetic_and
     report = build_report(sorted(trace_dir.glob("trace_rank*.jsonl")), out_dir=tmp_path / "report", plots=False)
     assert report.problems == []
     assert report.diagnosis.breakdown.mean.phase(phase).stall_ns.get("optimizer step", 0) > 0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_waits_for_gradient_writes_are_recorded_as_disk_write_stalls_of_their_flat(tmp_path, world):
+    """Clipped under a host budget, gradients wait on NVMe for the step: backward writes each flat's and
+    waits for the oldest write when more are in flight than the plan holds. Those waits are stalls on
+    host->nvme of the flat written (not compute of the block whose hook waited), and the report counts them
+    in backward's disk write stalls."""
+    trace_dir = tmp_path / "trace"
+    results = run_distributed(profiled_run, world, str(tmp_path), str(trace_dir), 1.0, 256 << 20)
+    traces = load_traces(sorted(trace_dir.glob("trace_rank*.jsonl")))
+    assert analysis.validate(traces) == []
+    for trace, result in zip(traces, results, strict=True):
+        assert len(result["flats"]) > 2  # more than the writes in flight (half the window of 4): some wait in backward
+        writes = [r for r in trace.records["stall"] if r["waited_on"] == "host->nvme"]
+        assert {r["block"] for r in writes} <= set(result["flats"])
+        assert {r["block"] for r in writes if r["phase"] == "backward"}
+    report = build_report(sorted(trace_dir.glob("trace_rank*.jsonl")), out_dir=tmp_path / "report", plots=False)
+    assert report.problems == []
+    assert report.diagnosis.breakdown.mean.phase("backward").stall_ns.get("disk write", 0) > 0

@@ -128,6 +128,7 @@ class InfinityEngine(EngineStateIO):
             read_ahead_bytes=memory.param_read_ahead_bytes,
             grad_writes_in_flight=memory.optimizer_window // 2,  # as many as arrivals hold (memory_plan)
             grad_hold_bytes=held_grads,
+            prof=self.prof,
         )
         self.optimizer = ShardedAdam(
             groups.groups,

@@ -13,6 +13,8 @@ dropped when it is first held: it would hold an older step's gradient.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from infinity.partition.flat_param import FlatParam
@@ -107,9 +109,9 @@ class GradientAccumulators:
             record.has_grad = True
             return
         handle = self.tiers.write(key, grad) if key in self.tiers else self.tiers.put(key, grad, Tier.NVME)
-        self._grad_writes.append((handle, grad))  # the store may read `grad` until the write is done
+        self._grad_writes.append((handle, grad, flat.name))  # the store may read `grad` until the write is done
         while len(self._grad_writes) > self.grad_writes_in_flight:
-            self._grad_writes.popleft()[0].wait()
+            self._finish_oldest_grad_write()
         record.has_grad = True
 
     def final_grad(self, flat: FlatParam, grad: torch.Tensor) -> torch.Tensor:
@@ -150,7 +152,14 @@ class GradientAccumulators:
         """Sum the gradients still crossing from the device, and finish their writes to NVMe."""
         self._land_grads()
         while self._grad_writes:
-            self._grad_writes.popleft()[0].wait()
+            self._finish_oldest_grad_write()
+
+    def _finish_oldest_grad_write(self) -> None:
+        """Wait for the oldest gradient write, recorded as a stall on it (the training thread waits)."""
+        handle, _, name = self._grad_writes.popleft()
+        start = time.perf_counter_ns()
+        handle.wait()
+        self.prof.stall(name, start, time.perf_counter_ns(), "host->nvme")
 
     def local_grad_norm_sq(self) -> float:
         """Sum of squares of this rank's accumulated gradient shards; inf/nan if they overflowed."""

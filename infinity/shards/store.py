@@ -31,6 +31,7 @@ import torch
 
 from infinity.comm import CommGroup
 from infinity.partition.flat_param import FlatParam
+from infinity.profiler.null_writer import NullTraceWriter
 from infinity.shards import registry
 from infinity.shards.crossing import DeviceHostCopies, StagedCopy
 from infinity.shards.gradients import GRADS_IN_FLIGHT, GradientAccumulators
@@ -52,9 +53,11 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         read_ahead_bytes: int | None = None,
         grad_writes_in_flight: int = 2,
         grad_hold_bytes: int = 0,
+        prof=None,
     ) -> None:
         """`grad_hold_bytes`: gradients that wait for their step with an NVMe home stay in host memory instead,
-        up to this many bytes (`GradientAccumulators`)."""
+        up to this many bytes (`GradientAccumulators`); `prof`: the trace writer the training thread's waits
+        for gradient writes are recorded in."""
         self.tiers = tiers
         self.placement = placement
         self.comm = comm
@@ -63,7 +66,8 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         self.flats: list[FlatParam] = []  # every flat, in the order added
         self.records: dict[FlatParam, ShardRecord] = {}  # the trainable ones
         self._views: dict[Hashable, torch.Tensor] = {}  # home copies in memory, by key
-        self._grad_writes: deque[tuple[MoveHandle, torch.Tensor]] = deque()
+        self._grad_writes: deque[tuple[MoveHandle, torch.Tensor, str]] = deque()  # (write, its source, flat name)
+        self.prof = prof if prof is not None else NullTraceWriter()
         self.grad_hold_bytes = grad_hold_bytes
         self._held_grads: dict[FlatParam, torch.Tensor] = {}  # gradient sums kept in host memory, not on NVMe
         self._owed: dict[FlatParam, Callable[[FlatParam], None]] = {}  # updates not yet applied
