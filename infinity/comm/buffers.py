@@ -85,11 +85,12 @@ class CollectiveBuffers:
         if holder is None:
             holder = torch.UntypedStorage(nbytes, device=device)
             if self._reuses(device) and self.lend_limit != 0:
-                if self.lend_limit is not None:
-                    self._let_go_of_lent(self.lend_limit - 1)
                 holders.append(holder)
         skip = -holder.data_ptr() % align // dtype.itemsize
-        return torch.empty(0, dtype=dtype, device=device).set_(holder, skip, (numel,))
+        lent = torch.empty(0, dtype=dtype, device=device).set_(holder, skip, (numel,))
+        if self.lend_limit is not None:  # (`lent` holds its buffer now: only others can go)
+            self._let_go_of_lent(self.lend_limit)
+        return lent
 
     def _free_fitting(self, nbytes: int) -> torch.UntypedStorage | None:
         """The smallest of `take`'s own buffers that nobody holds and that holds `nbytes` but not twice as
@@ -144,9 +145,10 @@ class CollectiveBuffers:
     def limit_lending(self, kept: int) -> None:
         """From now on (before the first gather) `take` keeps at most `kept` buffers of its own, the latest
         lent (0: it lends fresh memory, freed when dropped), apart from the gathers' buffers, which `fill`
-        and `drain` still reuse. For a run whose host memory is the constraint: the gather window and the
-        gradients in flight are in its plan (the compute's working set), while an unlimited pool would
-        keep, between steps, as many buffers as were ever lent at once."""
+        and `drain` still reuse. More are kept only while more are lent at once; a buffer beyond the limit
+        goes at the first `take` after it is dropped. For a run whose host memory is the constraint: the
+        gather window and the gradients in flight are in its plan (the compute's working set), while an
+        unlimited pool would keep, between steps, as many buffers as were ever lent at once."""
         self.lend_limit = kept
         self.clear()
 
