@@ -76,11 +76,14 @@ class _SummedOnWait:
 
     def _wait_all(self, works: list) -> None:
         try:
-            for work in works:
-                work.wait()
+            while works:
+                works.pop(0).wait()
         except BaseException as exc:  # re-raised by wait(), in the caller's thread
             self._error = exc
         finally:
+            # a work holds its tensors: dropped before the caller can go on and lend the buffers again (a
+            # buffer still held looks in use, and the pool would take fresh memory instead)
+            works.clear()
             self._done.set()
 
     def is_completed(self) -> bool:
