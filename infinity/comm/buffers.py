@@ -62,9 +62,8 @@ class CollectiveBuffers:
     def _reuses(self, device: torch.device) -> bool:
         return self.enabled and device.type == "cpu"
 
-    @staticmethod
-    def _free_holder(holders: list[torch.UntypedStorage], nbytes: int) -> torch.UntypedStorage | None:
-        for holder in holders:
+    def _free_holder(self, nbytes: int) -> torch.UntypedStorage | None:
+        for holder in self._holders:
             if holder.nbytes() == nbytes and _unused(holder):
                 return holder
         return None
@@ -81,7 +80,7 @@ class CollectiveBuffers:
         holders = self._holders if self.lend_limit is None else self._lent
         holder = None
         if self._reuses(device):
-            holder = self._free_holder(holders, nbytes) if self.lend_limit is None else self._free_fitting(nbytes)
+            holder = self._free_holder(nbytes) if self.lend_limit is None else self._free_fitting(nbytes)
         if holder is None:
             holder = torch.UntypedStorage(nbytes, device=device)
             if self._reuses(device) and self.lend_limit != 0:
@@ -112,7 +111,7 @@ class CollectiveBuffers:
             storage.resize_(nbytes)
             return
         self._filled[nbytes] = self._filled.get(nbytes, 0) + 1
-        holder = self._free_holder(self._holders, nbytes)
+        holder = self._free_holder(nbytes)
         if holder is None:
             storage.resize_(nbytes)
             return
