@@ -382,6 +382,39 @@ def test_aligned_host_tensors_are_written_in_place_and_others_through_staging(di
         assert torch.equal(store.fetch("u", "host").wait(), unaligned)
 
 
+def test_a_done_write_holds_nothing_of_its_source_while_the_mover_finishes(disk_dir: Path, monkeypatch) -> None:
+    """Once a write's handle is done the caller may reuse its tensor, and a pool that lends memory by use count
+    (CollectiveBuffers) must find nothing else holding it, even while the mover's thread is still in the job."""
+    from infinity.storage.tier_types import MoveHandle
+
+    signalled, resume = threading.Event(), threading.Event()
+    finish = MoveHandle.finish
+
+    def finish_and_linger(self, error=None):
+        finish(self, error)
+        signalled.set()
+        resume.wait(10)  # the mover's thread stays in the write's job until the check below is done
+
+    monkeypatch.setattr(MoveHandle, "finish", finish_and_linger)
+    use_count = torch._C._storage_Use_Count
+    with _store(disk_dir, host_bytes=MiB) as store:
+        for home, tensor in (("nvme", aligned_empty(5000 * 4).view(torch.float32)), ("host", torch.randn(5000))):
+            tensor.fill_(1.0)
+            storage = tensor.untyped_storage()
+            alone = use_count(storage._cdata)
+            signalled.clear()
+            handle = store.put(home, tensor, home)
+            try:
+                handle.wait()
+                assert signalled.wait(10)
+                assert use_count(storage._cdata) == alone, home
+            finally:
+                resume.set()
+            resume.clear()
+            assert torch.equal(store.fetch(home, "host").wait(), tensor)
+            store.release(home, "host")
+
+
 def test_mixed_concurrent_moves_keep_every_key_whole_and_every_budget(disk_dir: Path) -> None:
     """Readers, writers, prefetch, evict and drop/put race for 3 s; each read sees one whole version."""
     budgets = {"device_bytes": 2 * MiB, "host_bytes": 6 * MiB, "nvme_bytes": 64 * MiB}

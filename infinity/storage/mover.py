@@ -224,6 +224,7 @@ class TierMover(CopyMemory):
                 raise
 
         def finish() -> None:
+            nonlocal flat, io
             error = crc = None
             try:
                 if io is not None:
@@ -239,6 +240,9 @@ class TierMover(CopyMemory):
                 error = exc
             if error is None:
                 self._record(shard, src_tier, shard.home, t0)
+            # Once the handle is done the caller may reuse `flat`: a pool that lends memory by use count
+            # (CollectiveBuffers) must not see this job still holding it.
+            flat = io = None
             self._finish_write(shard, op, source, staging, error, crc)
 
         self._completer.submit(finish)

@@ -153,4 +153,5 @@ class _SimulatedStream:
             try:
                 _copy_now(dst, src)
             finally:
+                job = dst = src = None  # the copy is done: `src` may be reused, so hold none of it
                 flag.set()

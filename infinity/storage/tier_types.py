@@ -163,3 +163,4 @@ class Completer:
                 job()
             except BaseException:  # jobs report their own failures through handles; this guards the thread
                 traceback.print_exc()
+            job = None  # not held (with what it holds) while waiting for the next
