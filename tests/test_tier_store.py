@@ -403,14 +403,14 @@ def test_a_done_write_holds_nothing_of_its_source_while_the_mover_finishes(disk_
             storage = tensor.untyped_storage()
             alone = use_count(storage._cdata)
             signalled.clear()
+            resume.clear()
             handle = store.put(home, tensor, home)
             try:
                 handle.wait()
                 assert signalled.wait(10)
                 assert use_count(storage._cdata) == alone, home
             finally:
-                resume.set()
-            resume.clear()
+                resume.set()  # and left set: nothing else the store finishes lingers
             assert torch.equal(store.fetch(home, "host").wait(), tensor)
             store.release(home, "host")
 
