@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install train test test-unit lint bench gpu-check clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard native/*.cpp native/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.cpp native/*.h native/torch/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch is pinned first so that no other requirement can pull a (multi-GB) CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
@@ -39,4 +39,4 @@ gpu-check:
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info infinity/_native*.so
+	rm -rf $(VENV) build *.egg-info infinity/_native*.so infinity/_host_allocator*.so

@@ -21,7 +21,7 @@ from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling
-from infinity.engine.host_memory import huge_pages_notice
+from infinity.engine.host_memory import huge_pages_notice, keep_freed_blocks
 from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import (
     balance_step_timing,
@@ -115,6 +115,9 @@ class InfinityEngine(EngineStateIO):
             # the gather window, and the gradient flats in flight: those waiting for their step or their
             # NVMe write (half the optimizer's window), the one stepped and the one being filled
             self.comm.buffers.limit_lending(max(1, memory.optimizer_window // 2) + 2)
+        # freed buffers go back to the OS at once: keep one block's gradients' worth for reuse (host_memory)
+        returns_to_os = self.placement.malloc is MallocTuning.RETURN_TO_OS
+        self._give_up_freed_blocks = keep_freed_blocks(memory.freed_block_bytes if returns_to_os else 0)
         homes = held if self.grads_in_host else on_nvme
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
@@ -350,6 +353,7 @@ class InfinityEngine(EngineStateIO):
                 self._unused_check.remove()
             self.shards.close()
             self.prof.close()
+            self._give_up_freed_blocks()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat = None

@@ -31,6 +31,9 @@ class MemoryPlan:
     budgets: TierBudgets
     optimizer_window: int  # shards whose optimizer state the native stepper holds at once
     param_read_ahead_bytes: int | None  # NVMe parameter shards read ahead into host memory; None: no cap
+    # freed compute buffers kept for reuse (`host_memory.keep_freed_blocks`): autograd's gradients of the
+    # largest block, which the working set counts; 0 where the compute does not run in budgeted host memory
+    freed_block_bytes: int = 0
 
 
 def largest_shard_elems(plan: BlockPlan, world_size: int) -> tuple[int, int, int]:
@@ -102,6 +105,7 @@ def plan_memory(
     host = z.host_budget_bytes
     bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
     read_ahead = None
+    freed = 0
     if host is None and bounded:
         host = grad_rmw + kept
         if param_on_nvme:
@@ -119,6 +123,7 @@ def plan_memory(
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
             working += always_gathered * itemsize
+            freed = largest * world * 4
         room = host - working - param_min - grad_rmw
         if optim_on_nvme:
             window = min(window, room // shard_state)
@@ -133,7 +138,7 @@ def plan_memory(
         if param_on_nvme:
             # the kept copies save reads only where they fit: they come out of the read-ahead, not the minimum
             read_ahead = max(0, host - grad_rmw - kept - (window * shard_state if optim_on_nvme else 0))
-    return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead)
+    return MemoryPlan(TierBudgets(device_bytes=z.device_budget_bytes, host_bytes=host), window, read_ahead, freed)
 
 
 def spare_host_bytes(z: ZeroConfig, placement: Placement, held_grad_bytes: int, available: int | None = None) -> int:
