@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from harness import assert_weights_close, config, reference_train
+from harness import assert_matches_plain_pytorch, assert_weights_close, config, reference_train, train_on_rank
 
 import infinity
 from infinity import _host_allocator as native
+from infinity.engine import host_memory
 from infinity.engine.host_memory import freed_block_stats, keep_freed_blocks
 from infinity.models.mlp import MLP
 
@@ -200,3 +201,23 @@ def test_a_budgeted_engine_reuses_freed_gradients_and_trains_as_plain_pytorch(di
         engine.close()
     assert not native.installed()
     assert_weights_close(state, ref.state)
+
+
+@pytest.mark.parametrize(
+    "offload_param, dtype, clip, grad_accum",
+    [("nvme", "fp32", 1.0, 1), ("nvme", "bf16", 1.0, 2), ("none", "fp32", 0.0, 1), ("nvme", "fp32", 0.0, 2)],
+)
+def test_no_step_reads_a_reused_block_before_writing_it(offload_param, dtype, clip, grad_accum, disk_dir, monkeypatch):
+    """Reused memory is not zeroed, as fresh mappings were. With every block of 4 KiB or more lent through
+    the cache and filled with NaN first, budgeted one-rank runs still train as plain PyTorch: no gather,
+    gradient, flat or step reads memory it did not write."""
+    monkeypatch.delenv("INFINITY_KEEP_MALLOC", raising=False)
+    monkeypatch.setattr(host_memory, "_FREED_BLOCK_MIN_BYTES", 4096)
+    monkeypatch.setattr(host_memory, "_POISON_LENT_BLOCKS", True)
+    cfg = config("gpt", offload_param=offload_param, offload_optimizer="nvme", nvme_path=str(disk_dir), clip=clip,
+                 dtype=dtype, grad_accum=grad_accum, extra_zero={"host_budget_bytes": 256 * MIB})  # fmt: skip
+    before = freed_block_stats()
+    result = train_on_rank("gpt", cfg, steps=3, micro_bs=2)
+    assert not native.installed()  # the engine gave its hold up at close
+    assert freed_block_stats()["hits"] - before["hits"] > 100  # the run did go through the cache
+    assert_matches_plain_pytorch([result], "gpt", 3, 2, grad_accum=grad_accum, clip=clip, dtype=dtype)

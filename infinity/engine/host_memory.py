@@ -23,8 +23,11 @@ Returning freed buffers at once has a second cost: the kernel must zero each new
 that reports free pages to its host the host must back it again (up to 1 s per 180 MB here, for memory
 freed a few seconds before). The same shapes come back every layer, so in that mode the engine also
 routes torch's CPU allocations of 1 MiB or more through a native caching allocator that keeps up to
-one block's gradients of freed memory for reuse (`keep_freed_blocks`): a 7B-width Llama's backward on
-CPU-offloaded shards took 0.82-1.14 s a layer without it and 0.22-0.32 s with 0.8 GiB kept, one run each.
+one block's fp32 gradients of freed memory for reuse (`keep_freed_blocks`). Four layers of a 7B-width
+Llama on CPU-offloaded shards took 0.82-1.14 s a layer in backward without it and 0.22-0.32 s with
+0.8 GiB kept (steps 1-3, one run each); the 35-layer model on NVMe, 99.9-111.7 s a step against
+67.9-68.3 s (tools/bench_scale.py, two runs each). Reused memory is not zeroed, as a fresh mapping is:
+nothing may read a buffer before writing it (tests poison lent blocks to check).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _applied = False
 _FREED_BLOCK_MIN_BYTES = 1 << 20  # the mmap threshold above: smaller blocks stay in malloc's heap
+_POISON_LENT_BLOCKS = False  # tests: every block lent is 0xFF bytes (NaN) until written
 _freed_block_holders: dict[int, int] = {}  # id -> bytes each holder asked to keep
 
 
@@ -164,13 +168,13 @@ def keep_freed_blocks(cap_bytes: int) -> Callable[[], None]:
     token = object()
     _freed_block_holders[id(token)] = cap_bytes
     huge = malloc_asks_for_huge_pages(os.environ)  # the blocks glibc would map, mapped as it would
-    native.install(max(_freed_block_holders.values()), _FREED_BLOCK_MIN_BYTES, huge)
+    native.install(max(_freed_block_holders.values()), _FREED_BLOCK_MIN_BYTES, huge, _POISON_LENT_BLOCKS)
 
     def give_up() -> None:
         if _freed_block_holders.pop(id(token), None) is None:
             return
         if _freed_block_holders:
-            native.install(max(_freed_block_holders.values()), _FREED_BLOCK_MIN_BYTES, huge)
+            native.install(max(_freed_block_holders.values()), _FREED_BLOCK_MIN_BYTES, huge, _POISON_LENT_BLOCKS)
         else:
             native.uninstall()
 

@@ -32,7 +32,7 @@ class MemoryPlan:
     optimizer_window: int  # shards whose optimizer state the native stepper holds at once
     param_read_ahead_bytes: int | None  # NVMe parameter shards read ahead into host memory; None: no cap
     # freed compute buffers kept for reuse (`host_memory.keep_freed_blocks`): autograd's gradients of the
-    # largest block, which the working set counts; 0 where the compute does not run in budgeted host memory
+    # largest block (which the working set counts where the budget covers the compute); 0 on a GPU
     freed_block_bytes: int = 0
 
 
@@ -105,7 +105,7 @@ def plan_memory(
     host = z.host_budget_bytes
     bounded = Tier.HOST not in (placement.param_home, placement.optim_home) and (param_on_nvme or optim_on_nvme)
     read_ahead = None
-    freed = 0
+    freed = largest * world * 4 if placement.compute_device.type == "cpu" else 0
     if host is None and bounded:
         host = grad_rmw + kept
         if param_on_nvme:
@@ -123,7 +123,6 @@ def plan_memory(
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
             working += always_gathered * itemsize
-            freed = largest * world * 4
         room = host - working - param_min - grad_rmw
         if optim_on_nvme:
             window = min(window, room // shard_state)

@@ -15,6 +15,8 @@
 #include <pybind11/pybind11.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <list>
@@ -43,13 +45,14 @@ class CachingHostAllocator final : public c10::Allocator {
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
 
-  void configure(size_t cap_bytes, size_t min_bytes, bool huge_pages) {
+  void configure(size_t cap_bytes, size_t min_bytes, bool huge_pages, bool poison) {
     std::list<Block> dropped;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       cap_bytes_ = cap_bytes;
-      min_bytes_ = std::max<size_t>(min_bytes, kPage);
+      min_bytes_ = std::max(min_bytes, kPage);
       huge_pages_ = huge_pages;
+      poison_ = poison;
       trim(dropped);
     }
     unmap(dropped);
@@ -76,6 +79,12 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
   void* take(size_t n) {
+    void* p = lend(n);
+    if (poison_) std::memset(p, 0xFF, n);  // tests: NaN in every float, so code that reads before it writes shows
+    return p;
+  }
+
+  void* lend(size_t n) {
     size_t want = rounded(n);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -155,15 +164,17 @@ class CachingHostAllocator final : public c10::Allocator {
   std::list<Block> free_;
   Stats stats_;
   size_t cap_bytes_ = 0;
-  size_t min_bytes_ = 1u << 20;
-  bool huge_pages_ = false;
+  // read outside the lock by every allocation
+  std::atomic<size_t> min_bytes_{1u << 20};
+  std::atomic<bool> huge_pages_{false};
+  std::atomic<bool> poison_{false};
 };
 
 c10::Allocator* previous = nullptr;
 
-void install(size_t cap_bytes, size_t min_bytes, bool huge_pages) {
+void install(size_t cap_bytes, size_t min_bytes, bool huge_pages, bool poison) {
   auto& allocator = CachingHostAllocator::instance();
-  allocator.configure(cap_bytes, min_bytes, huge_pages);
+  allocator.configure(cap_bytes, min_bytes, huge_pages, poison);
   if (c10::GetCPUAllocator() != &allocator) {
     previous = c10::GetCPUAllocator();
     c10::SetCPUAllocator(&allocator, /*priority=*/1);
@@ -173,7 +184,7 @@ void install(size_t cap_bytes, size_t min_bytes, bool huge_pages) {
 void uninstall() {
   auto& allocator = CachingHostAllocator::instance();
   if (c10::GetCPUAllocator() == &allocator && previous != nullptr) c10::SetCPUAllocator(previous, /*priority=*/1);
-  allocator.configure(0, 1u << 20, false);  // returns what it kept; blocks still live come back to it and go
+  allocator.configure(0, 1u << 20, false, false);  // returns what it kept; blocks still live come back to it and go
 }
 
 }  // namespace
@@ -181,7 +192,9 @@ void uninstall() {
 PYBIND11_MODULE(_host_allocator, m) {
   m.doc() = "A caching CPU allocator for torch: freed blocks of at least min_bytes kept for reuse, up to a cap";
   m.def("install", &install, py::arg("cap_bytes"), py::arg("min_bytes") = 1u << 20, py::arg("huge_pages") = false,
-        "Make torch's CPU allocations go through the cache (again, with new settings).");
+        py::arg("poison") = false,
+        "Make torch's CPU allocations go through the cache (again, with new settings); `poison` (tests) fills "
+        "every block it lends with 0xFF bytes.");
   m.def("uninstall", &uninstall, "Give torch back its previous CPU allocator and return the cached blocks.");
   m.def("installed", [] { return c10::GetCPUAllocator() == &CachingHostAllocator::instance(); });
   m.def("stats", [] {
