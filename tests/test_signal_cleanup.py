@@ -108,8 +108,8 @@ def test_an_uncaught_keyboard_interrupt_removes_the_swap_file_and_exits_as_sigin
 
 _CAUGHT_INTERRUPT = """
 store = open_store()
-print(store.swap_path, flush=True)
-try:
+try:  # the ready line inside: the parent's SIGINT may come as soon as it is read
+    print(store.swap_path, flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
