@@ -163,6 +163,38 @@ def test_threads_allocating_and_freeing_at_once_leave_the_counts_exact(hold) -> 
     assert stats["hits"] > 0
 
 
+def test_a_child_forked_while_another_thread_allocates_can_allocate(hold) -> None:
+    """The lock is held across fork by the forking thread only (pthread_atfork), so no child starts with it
+    held by a thread it does not have."""
+    import os
+    import time
+
+    hold(16 * MIB)
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            torch.empty(2 * MIB // 4)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:  # the child: a large block through the cache, then out without cleanup
+                os._exit(0 if torch.empty(3 * MIB // 4).data_ptr() else 1)
+            deadline = time.monotonic() + 30
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "a forked child hung or failed"
+    finally:
+        stop.set()
+        thread.join()
+
+
 WIDE = dict(in_features=16, hidden=640, out_features=8, n_layers=3)  # 1.6 MB weights: above the 1 MiB floor
 
 

@@ -12,6 +12,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <pthread.h>
 #include <pybind11/pybind11.h>
 #include <sys/mman.h>
 
@@ -21,7 +22,6 @@
 #include <cstring>
 #include <list>
 #include <mutex>
-#include <new>
 #include <unordered_map>
 
 namespace py = pybind11;
@@ -63,7 +63,12 @@ class CachingHostAllocator final : public c10::Allocator {
   }
   static void release(void* p) { instance().give_back(p); }
   static CachingHostAllocator& instance() {
-    static auto* allocator = new CachingHostAllocator();  // never destroyed: live tensors hold its deleter
+    static auto* allocator = [] {
+      // a fork (a DataLoader worker) while another thread holds the lock would leave the child's locked
+      pthread_atfork([] { instance().mutex_.lock(); }, [] { instance().mutex_.unlock(); },
+                     [] { instance().mutex_.unlock(); });
+      return new CachingHostAllocator();  // never destroyed: live tensors hold its deleter
+    }();
     return *allocator;
   }
 
@@ -146,7 +151,7 @@ class CachingHostAllocator final : public c10::Allocator {
     bool huge = huge_pages_ && bytes >= kHugePage;
     size_t extra = huge ? kHugePage : 0;  // over-map, then trim to a 2 MiB boundary so whole pages are huge
     void* raw = mmap(nullptr, bytes + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) throw std::bad_alloc();
+    TORCH_CHECK(raw != MAP_FAILED, "infinity's host allocator: not enough memory: you tried to map ", bytes, " bytes");
     auto start = reinterpret_cast<uintptr_t>(raw);
     uintptr_t aligned = huge ? (start + kHugePage - 1) & ~(kHugePage - 1) : start;
     if (aligned > start) munmap(raw, aligned - start);
