@@ -251,5 +251,5 @@ def test_no_step_reads_a_reused_block_before_writing_it(offload_param, dtype, cl
     before = freed_block_stats()
     result = train_on_rank("gpt", cfg, steps=3, micro_bs=2)
     assert not native.installed()  # the engine gave its hold up at close
-    assert freed_block_stats()["hits"] - before["hits"] > 100  # the run did go through the cache
+    assert freed_block_stats()["hits"] - before["hits"] >= 30  # reused blocks were lent, poisoned, many times
     assert_matches_plain_pytorch([result], "gpt", 3, 2, grad_accum=grad_accum, clip=clip, dtype=dtype)

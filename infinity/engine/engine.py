@@ -115,9 +115,6 @@ class InfinityEngine(EngineStateIO):
             # the gather window, and the gradient flats in flight: those waiting for their step or their
             # NVMe write (half the optimizer's window), the one stepped and the one being filled
             self.comm.buffers.limit_lending(max(1, memory.optimizer_window // 2) + 2)
-        # freed buffers go back to the OS at once: keep one block's gradients' worth for reuse (host_memory)
-        returns_to_os = self.placement.malloc is MallocTuning.RETURN_TO_OS
-        self._give_up_freed_blocks = keep_freed_blocks(memory.freed_block_bytes if returns_to_os else 0)
         homes = held if self.grads_in_host else on_nvme
         check_host_budget(z, homes)
         self.nvme_bytes_planned = homes[Tier.NVME]
@@ -182,6 +179,10 @@ class InfinityEngine(EngineStateIO):
             prof=self.prof,
         )
         self.moves.reset()  # bytes_moved counts training's moves, not the shards' first placement
+        # freed buffers go back to the OS at once: keep one block's gradients' worth for reuse (host_memory);
+        # last, so that an engine whose set-up fails holds nothing
+        returns_to_os = self.placement.malloc is MallocTuning.RETURN_TO_OS
+        self._give_up_freed_blocks = keep_freed_blocks(memory.freed_block_bytes if returns_to_os else 0)
 
     @property
     def flats(self):
