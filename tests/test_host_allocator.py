@@ -4,6 +4,7 @@ stay with malloc. Each test gives up its hold, so torch has its own allocator ba
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -138,6 +139,17 @@ def test_no_hold_where_the_user_keeps_malloc_or_the_cap_is_zero(monkeypatch) -> 
     give_up = keep_freed_blocks(64 * MIB)
     assert not native.installed()
     give_up()
+
+
+def test_without_the_native_build_nothing_is_held_and_the_user_is_told_how_to_build_it(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("INFINITY_KEEP_MALLOC", raising=False)
+    monkeypatch.setitem(sys.modules, "infinity._host_allocator", None)  # the import fails, as unbuilt
+    monkeypatch.delattr(infinity, "_host_allocator")
+    monkeypatch.setattr(host_memory, "_missing_told", False)
+    give_up = keep_freed_blocks(64 * MIB)
+    give_up()
+    assert "--no-build-isolation" in capsys.readouterr().err
+    assert not native.installed()
 
 
 def test_threads_allocating_and_freeing_at_once_leave_the_counts_exact(hold) -> None:

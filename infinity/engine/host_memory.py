@@ -26,7 +26,7 @@ routes torch's CPU allocations of 1 MiB or more through a native caching allocat
 one block's fp32 gradients of freed memory for reuse (`keep_freed_blocks`). Four layers of a 7B-width
 Llama on CPU-offloaded shards took 0.82-1.14 s a layer in backward without it and 0.22-0.32 s with
 0.8 GiB kept (steps 1-3, one run each); the 35-layer model on NVMe, 99.9-111.7 s a step against
-67.9-68.3 s (tools/bench_scale.py, two runs each). Reused memory is not zeroed, as a fresh mapping is:
+62.7-68.3 s (tools/bench_scale.py, two runs without, three with). Reused memory is not zeroed, as a fresh mapping is:
 nothing may read a buffer before writing it (tests poison lent blocks to check).
 """
 
@@ -47,6 +47,7 @@ _applied = False
 _FREED_BLOCK_MIN_BYTES = 1 << 20  # the mmap threshold above: smaller blocks stay in malloc's heap
 _POISON_LENT_BLOCKS = False  # tests: every block lent is 0xFF bytes (NaN) until written
 _freed_block_holders: dict[int, int] = {}  # id -> bytes each holder asked to keep
+_missing_told = False
 
 
 def limit_freed_memory(return_to_os: bool, arenas: int = 2) -> bool:
@@ -146,14 +147,21 @@ def huge_pages_notice() -> str | None:
     )
 
 
-def _load_host_allocator() -> ModuleType:
+def _load_host_allocator() -> ModuleType | None:
+    """The native allocator, or None with a notice (once) where it was not built: an isolated build skips it."""
+    global _missing_told
     try:
         from infinity import _host_allocator
     except ImportError as exc:
-        raise ImportError(
-            "infinity's caching CPU allocator (infinity._host_allocator) is not built; build it with "
-            f"`pip install -e .` from the repository root, or set INFINITY_KEEP_MALLOC=1 (import error: {exc})"
-        ) from exc
+        if not _missing_told:
+            _missing_told = True
+            print(
+                "infinity: the caching CPU allocator (infinity._host_allocator) is not built, so every freed "
+                "buffer of 1 MiB or more is mapped afresh (much slower on some machines); build it with "
+                f"`pip install --no-build-isolation -e .` from the repository root ({exc})",
+                file=sys.stderr,
+            )
+        return None
     return _host_allocator
 
 
@@ -165,6 +173,8 @@ def keep_freed_blocks(cap_bytes: int) -> Callable[[], None]:
     if cap_bytes <= 0 or os.environ.get("INFINITY_KEEP_MALLOC") == "1":
         return lambda: None
     native = _load_host_allocator()
+    if native is None:
+        return lambda: None
     token = object()
     _freed_block_holders[id(token)] = cap_bytes
     huge = malloc_asks_for_huge_pages(os.environ)  # the blocks glibc would map, mapped as it would
