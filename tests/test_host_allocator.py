@@ -249,7 +249,13 @@ def test_a_budgeted_engine_reuses_freed_gradients_and_trains_as_plain_pytorch(di
 
 @pytest.mark.parametrize(
     "offload_param, dtype, clip, grad_accum",
-    [("nvme", "fp32", 1.0, 1), ("nvme", "bf16", 1.0, 2), ("none", "fp32", 0.0, 1), ("nvme", "fp32", 0.0, 2)],
+    [
+        ("nvme", "fp32", 1.0, 1),
+        ("nvme", "bf16", 1.0, 2),
+        ("none", "fp32", 0.0, 1),
+        ("cpu", "fp32", 1.0, 1),
+        ("nvme", "fp32", 0.0, 2),
+    ],
 )
 def test_no_step_reads_a_reused_block_before_writing_it(offload_param, dtype, clip, grad_accum, disk_dir, monkeypatch):
     """Reused memory is not zeroed, as fresh mappings were. With every block of 4 KiB or more lent through

@@ -26,7 +26,7 @@ routes torch's CPU allocations of 1 MiB or more through a native caching allocat
 one block's fp32 gradients of freed memory for reuse (`keep_freed_blocks`). Four layers of a 7B-width
 Llama on CPU-offloaded shards took 0.82-1.14 s a layer in backward without it and 0.22-0.32 s with
 0.8 GiB kept (steps 1-3, one run each); the 35-layer model on NVMe, 99.9-111.7 s a step against
-62.7-68.3 s (tools/bench_scale.py, two runs without, three with). Reused memory is not zeroed, as a fresh mapping is:
+62.7-68.3 s (tools/bench_scale.py, two runs without, four with). Reused memory is not zeroed, as a fresh mapping is:
 nothing may read a buffer before writing it (tests poison lent blocks to check).
 """
 
