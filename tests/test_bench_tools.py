@@ -100,7 +100,7 @@ def test_bench_scale_profile_records_the_timed_steps_only(tmp_path):
     args = bench_scale.parse_args(["--params", "3e9", "--profile", str(tmp_path / "traces")])
     cfg = load_config(bench_scale.engine_config(args, tmp_path))
     assert cfg.profiler.enabled and cfg.profiler.path == str(tmp_path / "traces")
-    assert cfg.profiler.start_step == 1  # the warm-up is step 0
+    assert cfg.profiler.start_step == 2  # the warm-ups are steps 0 and 1
     unprofiled = bench_scale.engine_config(bench_scale.parse_args(["--params", "3e9"]), tmp_path)
     assert load_config(unprofiled).profiler.enabled is False
 

@@ -16,7 +16,8 @@ What it measures, in one process (world size 1, the CPU as the compute device wh
    through an 8 GiB budget in pieces; `--zero` overrides it), and
    `zero_optimization.offload_optimizer.moments` = `--moments` unless fp32
    (an engine that refuses a setting has its error reported in the JSON).
-3. Training: one warm-up step, then `--steps` timed steps on random tokens. Per step: wall time per
+3. Training: `--warmup` untimed steps (default 2: the engine's host pools reach their steady size in
+   its first two steps, see below), then `--steps` timed steps on random tokens. Per step: wall time per
    phase, the bytes the process read from and wrote to the disk (/proc/self/io: direct I/O counts,
    the page cache is not involved) and the engine's own counters (engine.bytes_moved, engine.stall_s).
 4. Memory: VmHWM of this process, after initialization and at the end; a side thread samples VmRSS
@@ -27,7 +28,7 @@ What it measures, in one process (world size 1, the CPU as the compute device wh
    gradient traffic), io_s at fio's read and write bandwidth (additive, and io_s_overlap if reads and
    writes overlapped), compute_s from one layer in plain PyTorch in memory (child process) x n_layer
    + the head. bound_s = max(compute_s, io_s); ratio_to_bound = step_s / bound_s.
-6. With `--profile DIR`, the engine's profiler records swap traces of the timed steps (not the warm-up)
+6. With `--profile DIR`, the engine's profiler records swap traces of the timed steps (not the warm-ups)
    into DIR; `infinity profile DIR` reads them (where each step's time went, and what to change).
 
 JSON (last line of stdout): params, step_s, peak_rss_bytes, disk_bytes_per_param (swap bytes on disk /
@@ -50,8 +51,18 @@ the infinity command does for a run with a host budget (see infinity.engine.host
 `--huge-pages off` measures without it.
 `--gc-interval-s S` runs gc.collect() every S seconds from a side thread, its cost reported.
 
+Why two warm-up steps: the shard store's host buffer pool adds slabs as it first needs them and keeps them,
+and in its first two steps it needs more than once (slabs after init, step 0's forward and backward, step
+1's forward and backward, then step 2: 0.29, 0.80, 1.26, 1.60, 2.62, 2.67 GB for six layers of the 7B
+width under the 8 GiB budget). Each new slab is fresh memory that the kernel zeroes and that this VM's
+host backs again. So the first two steps are the slow ones (at that size 23-28 s each, then 13-18 s; at
+7B after one warm-up step, the first timed step took 66-73 s and the second 53-59 s in five of six runs).
+A run of many steps pays it once.
+`--warmup 1` measures as before.
+
     python tools/bench_scale.py --params 3e9 --host-budget-gib 8 [--arch llama|gpt] [--dtype fp32|bf16]
-                                [--moments fp32|bf16|8bit] [--clip 1.0] [--nvme-path DIR] [--steps N] [--json]
+                                [--moments fp32|bf16|8bit] [--clip 1.0] [--nvme-path DIR] [--steps N]
+                                [--warmup N] [--json]
 
 Develop with --params 1e8 or less. Progress goes to stderr.
 """
@@ -96,7 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget-gib", type=float, default=8.0, help="zero_optimization.host_budget_bytes")
     parser.add_argument("--device-budget-gib", type=float, default=None, help="zero_optimization.device_budget_bytes")
     parser.add_argument("--nvme-path", default=None, help="folder on the disk to swap to (default: the repository)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps, after the warm-up steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (their records are in the JSON)")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
@@ -175,8 +187,8 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
         "aio": json.loads(args.aio),
         "bf16": {"enabled": args.dtype == "bf16"},
     }
-    if args.profile is not None:  # the timed steps: the warm-up is step 0
-        config["profiler"] = {"enabled": True, "path": args.profile, "start_step": 1}
+    if args.profile is not None:  # the timed steps: the warm-ups are steps 0 .. warmup - 1
+        config["profiler"] = {"enabled": True, "path": args.profile, "start_step": args.warmup}
     return config
 
 
@@ -238,7 +250,7 @@ def train(args: argparse.Namespace, cfg: Any, nvme_dir: Path) -> dict[str, Any]:
         out["peak_rss_after_init_bytes"] = peak_rss_bytes()
         data = token_batches(args.batch, args.seq, cfg.vocab_size)
         steps = []
-        for i in range(1 + args.steps):
+        for i in range(args.warmup + args.steps):
             x, y = next(data)
             moved0, stall0 = dict(engine.bytes_moved), engine.stall_s
             io0, t0 = disk_io(), time.perf_counter()
@@ -272,8 +284,9 @@ def train(args: argparse.Namespace, cfg: Any, nvme_dir: Path) -> dict[str, Any]:
                 ],
             }
             steps.append(record)
+            which = f"warm-up {i + 1}/{args.warmup}" if i < args.warmup else f"step {i + 1 - args.warmup}/{args.steps}"
             log(
-                f"{'warm-up' if i == 0 else f'step {i}/{args.steps}'}: {record['step_s']:.2f} s "
+                f"{which}: {record['step_s']:.2f} s "
                 f"(fwd {record['forward_s']:.2f}, bwd {record['backward_s']:.2f}, opt {record['optimizer_s']:.2f}), "
                 f"read {record['bytes_read'] / 1e9:.2f} GB, written {record['bytes_written'] / 1e9:.2f} GB, "
                 f"stall {record['stall_s']:.2f} s, loss {loss_value:.4f}, RSS {record['rss_bytes'] / GiB:.2f} GiB "

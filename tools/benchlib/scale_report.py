@@ -22,7 +22,7 @@ def summarize(args: argparse.Namespace, cfg: Any, how: str, out: dict[str, Any],
 
     ref = {k: min(r[k] for r in refs) for k in refs[0]}  # the faster run: a lower bound
     params = out["params"]
-    timed = out["steps"][1:] or out["steps"]
+    timed = out["steps"][args.warmup :] or out["steps"]
     step_s = statistics.median(s["step_s"] for s in timed)
     bytes_read = int(statistics.median(s["bytes_read"] for s in timed))
     bytes_written = int(statistics.median(s["bytes_written"] for s in timed))
@@ -66,6 +66,7 @@ def summarize(args: argparse.Namespace, cfg: Any, how: str, out: dict[str, Any],
         "swap_bytes_on_disk": out["swap_bytes_on_disk"],
         "host_budget_bytes": int(args.host_budget_gib * GiB),
         "device_budget_bytes": None if args.device_budget_gib is None else int(args.device_budget_gib * GiB),
+        "warmup_steps": args.warmup,
         "steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in out["steps"]],
         "disk_io_during_init": out["disk_io_during_init"],
         "disk_need": need,
