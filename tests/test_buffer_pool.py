@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from infinity.storage import ALIGN, BudgetError, BufferPool, aligned_empty, aligned_view
-from infinity.storage.ranges import RangeAllocator
 
 pytestmark = pytest.mark.unit
 
@@ -132,30 +131,6 @@ def test_free_slabs_are_recarved_when_the_budget_is_spent_on_small_ones() -> Non
         pool.release(b)
     big = pool.acquire(6 * MiB)  # fits no existing slab; the two free ones make room for a new one
     assert big.numel() == 6 * MiB and pool.slab_total_bytes <= 8 * MiB
-
-
-def test_ranges_first_fit_and_best_fit() -> None:
-    ranges = RangeAllocator(100)
-    a, b, c = ranges.alloc(30), ranges.alloc(10), ranges.alloc(20)  # 0-30, 30-40, 40-60; 60-100 free
-    ranges.free(a, 30)
-    ranges.free(c, 20)  # free: 0-30, 40-100 (merged with the tail)
-    assert ranges.smallest_fit(25) == 30 and ranges.smallest_fit(50) == 60 and ranges.smallest_fit(61) is None
-    assert ranges.alloc(25, best_fit=True) == 0  # the 30-byte range, not the first-fitting larger one
-    assert ranges.alloc(5) == 25 and ranges.alloc(40, best_fit=True) == 40  # first fit: what is left of 0-30
-    ranges.free(b, 10)
-    assert ranges.used == 70 and ranges.smallest_fit(10) == 10 and ranges.alloc(10, best_fit=True) == 30
-
-
-def test_a_request_takes_the_tightest_free_range_so_a_large_slab_stays_whole() -> None:
-    pool = BufferPool(budget_bytes=None, slab_bytes=4 * MiB)
-    large = pool.acquire(8 * MiB)  # a slab of its own
-    small = pool.acquire(2 * MiB)  # a 4 MiB slab, half of it left
-    pool.release(large)
-    again_small = pool.acquire(2 * MiB)  # fits both; the small slab's 2 MiB is the tighter
-    assert again_small.untyped_storage().data_ptr() == small.untyped_storage().data_ptr()
-    again_large = pool.acquire(8 * MiB)  # so the large slab is still whole for it
-    assert again_large.data_ptr() == large.data_ptr()
-    assert pool.slab_total_bytes == 12 * MiB
 
 
 def test_double_release_is_refused() -> None:

@@ -80,9 +80,8 @@ class BufferPool(BudgetedAllocator):
     """Aligned uint8 host buffers: `acquire(n)` gives a tensor of round_up(n, 4096) bytes, `release` returns it.
 
     Slabs of `slab_bytes` (or one request's size, if larger) are added while the budget allows and
-    kept until `close()`; a request takes the smallest free range that holds it (best fit). When the
-    rest of the budget is too small for a new slab, wholly free slabs are given back first so their
-    bytes can be re-carved. Thread-safe.
+    kept until `close()`; when the rest of the budget is too small for a new slab, wholly free slabs
+    are given back first so their bytes can be re-carved. Thread-safe.
     """
 
     name = "host buffer pool"
@@ -113,12 +112,10 @@ class BufferPool(BudgetedAllocator):
         return round_up(max(nbytes, 1))
 
     def _take(self, need: int) -> torch.Tensor | None:
-        # The tightest free range of all slabs: a large slab stays whole for the next large request, so the
-        # slabs stop growing once they have held one step's mix of shard sizes, instead of being split anew.
-        fits = [(fit, i) for i, slab in enumerate(self._slabs) if (fit := slab.ranges.smallest_fit(need)) is not None]
-        if fits:
-            slab = self._slabs[min(fits)[1]]
-            return self._hand_out(slab, slab.ranges.alloc(need, best_fit=True), need)
+        for slab in self._slabs:
+            offset = slab.ranges.alloc(need)
+            if offset is not None:
+                return self._hand_out(slab, offset, need)
         room = None if self.budget_bytes is None else self.budget_bytes - self.slab_total_bytes
         if room is not None and room < need:
             for slab in [s for s in self._slabs if s.ranges.used == 0]:

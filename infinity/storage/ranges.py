@@ -1,4 +1,4 @@
-"""Allocation of byte ranges inside a region that can grow (a host slab, the swap file): first or best fit."""
+"""First-fit allocation of byte ranges inside a region that can grow (a host slab, the swap file)."""
 
 from __future__ import annotations
 
@@ -25,27 +25,17 @@ class RangeAllocator:
             self.size += extra
             self._insert(start, extra)
 
-    def alloc(self, n: int, best_fit: bool = False) -> int | None:
-        """The offset of a free range of `n` bytes, or None when none is large enough: the first such range, or
-        with `best_fit` the smallest (the first of those)."""
-        start = self._best(n) if best_fit else next((s for s in self._starts if self._lengths[s] >= n), None)
-        if start is None:
-            return None
-        length = self._lengths[start]
-        self._remove(start)
-        if length > n:
-            self._insert_raw(start + n, length - n)
-        self.used += n
-        return start
-
-    def smallest_fit(self, n: int) -> int | None:
-        """The length of the smallest free range that holds `n` bytes, or None."""
-        start = self._best(n)
-        return None if start is None else self._lengths[start]
-
-    def _best(self, n: int) -> int | None:
-        fits = [s for s in self._starts if self._lengths[s] >= n]
-        return min(fits, key=lambda s: self._lengths[s], default=None)
+    def alloc(self, n: int) -> int | None:
+        """The offset of a free range of `n` bytes, or None when none is large enough."""
+        for start in self._starts:
+            length = self._lengths[start]
+            if length >= n:
+                self._remove(start)
+                if length > n:
+                    self._insert_raw(start + n, length - n)
+                self.used += n
+                return start
+        return None
 
     def free(self, start: int, n: int) -> None:
         self.used -= n
