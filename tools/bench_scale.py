@@ -56,7 +56,7 @@ and the bytes it has lent at once reach their steady peak only in the second ste
 layers of the 7B width under the 8 GiB budget: at most 1.07 GB in use in step 0's backward, 2.41 GB in
 step 1's; slabs after init, step 0's forward and backward, step 1's forward and backward, then step 2:
 0.29, 0.80, 1.26, 1.60, 2.62, 2.67 GB). Each new slab is fresh memory that the kernel zeroes and that this
-VM's host backs again. So the first two steps are the slow ones (at that size 22-29 s each, then 11-18 s; at
+VM's host backs again. So the first two steps are the slow ones (at that size 21-29 s each, then 10-18 s; at
 7B after one warm-up step, the first timed step took 66-73 s and the second 53-59 s in five of six runs).
 A run of many steps pays it once.
 `--warmup 1` measures as before.
