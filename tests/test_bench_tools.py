@@ -103,6 +103,10 @@ def test_bench_scale_profile_records_the_timed_steps_only(tmp_path):
     assert cfg.profiler.start_step == 2  # the warm-ups are steps 0 and 1
     unprofiled = bench_scale.engine_config(bench_scale.parse_args(["--params", "3e9"]), tmp_path)
     assert load_config(unprofiled).profiler.enabled is False
+    assert bench_scale.parse_args(["--params", "3e9", "--warmup", "0"]).warmup == 0
+    for bad in (["--warmup", "-1"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            bench_scale.parse_args(["--params", "3e9", *bad])
 
 
 def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp_path):

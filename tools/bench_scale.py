@@ -31,11 +31,12 @@ What it measures, in one process (world size 1, the CPU as the compute device wh
 6. With `--profile DIR`, the engine's profiler records swap traces of the timed steps (not the warm-ups)
    into DIR; `infinity profile DIR` reads them (where each step's time went, and what to change).
 
-JSON (last line of stdout): params, step_s, peak_rss_bytes, disk_bytes_per_param (swap bytes on disk /
-params), moved_bytes_per_param_per_step ((read + written) / params, /proc/self/io, median step),
-ratio_to_bound, ratio_to_overlapped_bound, bound_s, io_s, io_s_overlap, compute_s, min_bytes (the
-bound's parts), min_disk_bytes_per_param, bytes_read / bytes_written, engine_bytes_moved, phases_s,
-per-step records, fio runs, and the settings. A run that fails prints {"error", ...} and exits 1.
+JSON (last line of stdout): params, step_s (median of the timed steps), peak_rss_bytes, disk_bytes_per_param
+(swap bytes on disk / params), moved_bytes_per_param_per_step ((read + written) / params, /proc/self/io,
+median step), ratio_to_bound, ratio_to_overlapped_bound, bound_s, io_s, io_s_overlap, compute_s, min_bytes
+(the bound's parts), min_disk_bytes_per_param, bytes_read / bytes_written, engine_bytes_moved, phases_s,
+warmup_steps, per-step records (the warm-ups first), fio runs, and the settings. A run that fails prints
+{"error", ...} and exits 1.
 
 Before anything it checks the free disk against infinity.estimator's NVMe figure for the model (its
 moments format, and gradient slots only with clipping, as the engine lays them out) or fio's file,
@@ -133,7 +134,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="record swap traces of the timed steps into DIR (read them with `infinity profile DIR`)")
     parser.add_argument("--json", action="store_true", help="stderr: progress only; stdout: the JSON line")
     parser.add_argument("--reference-child", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        parser.error(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    return args
 
 
 def reexec_for_malloc(args: argparse.Namespace) -> None:
