@@ -22,7 +22,7 @@ def summarize(args: argparse.Namespace, cfg: Any, how: str, out: dict[str, Any],
 
     ref = {k: min(r[k] for r in refs) for k in refs[0]}  # the faster run: a lower bound
     params = out["params"]
-    timed = out["steps"][args.warmup :] or out["steps"]
+    timed = out["steps"][args.warmup :]  # parse_args asks for at least one timed step
     step_s = statistics.median(s["step_s"] for s in timed)
     bytes_read = int(statistics.median(s["bytes_read"] for s in timed))
     bytes_written = int(statistics.median(s["bytes_written"] for s in timed))
