@@ -4,6 +4,7 @@ and one run of tools/bench_train.py in which infinity trains like plain PyTorch.
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -143,4 +144,13 @@ def test_bench_memory_reports_the_kept_buffers_apart_from_the_sharded_state(tmp_
     assert one["kept_buffer_bytes"] == [0]
     sharded = max(s - k for s, k in zip(many["state_bytes"], many["kept_buffer_bytes"], strict=True))
     assert summary["infinity_sharded_state_ratio"] == sharded / max(one["state_bytes"])
+    assert summary["state_ratio"] == {"infinity_z3_none": summary["infinity_state_ratio"]}
+    if platform.libc_ver()[0] == "glibc":  # live bytes from glibc's mallinfo2: the model state apart from malloc's cache
+        for row in (many, one):
+            assert [s - live for s, live in zip(row["state_bytes"], row["live_state_bytes"], strict=True)] == row[
+                "malloc_kept_bytes"
+            ]
+        model = max(v - k for v, k in zip(many["live_state_bytes"], many["kept_buffer_bytes"], strict=True))
+        assert summary["infinity_model_state_ratio"] == model / max(one["live_state_bytes"])
+        assert max(one["live_state_bytes"]) > 0
     assert not list(tmp_path.iterdir()), "the run's scratch folder is removed"

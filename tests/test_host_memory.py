@@ -142,3 +142,42 @@ def test_only_a_run_whose_malloc_returns_memory_to_the_os_is_restarted(tmp_path)
     config = str(_budgeted_config(tmp_path))
     budgeted = _parser().parse_args(["train", "--config", config, "--nvme-path", str(tmp_path)])
     assert _returns_memory_to_os(build_config(budgeted, 64)) == (not torch.cuda.is_available())
+
+
+_TRIM_CHILD = """
+import ctypes
+from infinity.engine.host_memory import return_freed_heap
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+chunks = [libc.malloc(64 << 10) for _ in range(512)]  # 32 MiB below the mmap threshold: malloc's heap
+sentinel = libc.malloc(64 << 10)  # keeps the freed run off the heap's top, which malloc trims by itself
+for c in chunks:
+    ctypes.memset(c, 1, 64 << 10)
+for c in chunks:
+    libc.free(c)
+before = rss()
+trimmed = return_freed_heap()
+print(trimmed, before - rss())
+"""
+
+
+@glibc
+@pytest.mark.parametrize("keep", [False, True])
+def test_freed_heap_memory_goes_back_to_the_os_unless_the_user_keeps_malloc_as_it_is(keep: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "INFINITY_KEEP_MALLOC"}
+    if keep:
+        env["INFINITY_KEEP_MALLOC"] = "1"
+    done = subprocess.run([sys.executable, "-c", _TRIM_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    trimmed, returned = done.stdout.split()
+    assert trimmed == str(not keep)
+    if keep:
+        assert int(returned) < 4 << 20  # malloc left alone: the freed 32 MiB stay resident
+    else:
+        assert int(returned) >= 24 << 20  # most of the freed 32 MiB (a chunk's header keeps its page)

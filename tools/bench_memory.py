@@ -15,10 +15,17 @@ Per configuration and rank:
     kept_buffer_bytes        infinity: of state_bytes, the host memory its engine keeps between steps for
                              gathers, reductions and held gradients (engine.kept_buffer_bytes): a window of
                              whole blocks, not sharded
+    live_state_bytes         the same growth counted in bytes malloc has lent and not had back (glibc's
+                             mallinfo2, in heaps and mapped), so without the freed memory malloc keeps resident
+                             for reuse (activations and per-step temporaries of every size); glibc only
+    malloc_kept_bytes        state_bytes - live_state_bytes: that freed memory, resident
 
 `ratio_to_fsdp2` divides the largest rank's figure by FSDP2's largest rank's; `infinity_state_ratio`
 is infinity's per-rank state_bytes on N ranks over its state_bytes on one rank (1/N if the model
-state shards perfectly), and `infinity_sharded_state_ratio` the same without kept_buffer_bytes.
+state shards perfectly), `infinity_sharded_state_ratio` the same without kept_buffer_bytes, and
+`infinity_model_state_ratio` the same in live bytes without kept_buffer_bytes: the model state alone
+(weights, gradients and optimizer moments). `state_ratio` gives each configuration run on both N
+ranks and one its own state_bytes ratio (FSDP2's, if asked for with --one-rank).
 
     python tools/bench_memory.py [--ranks 2] [--n-embd 1024] [--n-layer 24] [--steps 2] [--configs ...]
 
@@ -74,7 +81,23 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
                                                  strict=True)]  # fmt: skip
     if "kept_buffer_bytes" in record:
         out["kept_buffer_bytes"] = record["kept_buffer_bytes"]
+    if "malloc_live_after_steps_bytes" in record:
+        after, start = record["malloc_live_after_steps_bytes"], record["malloc_live_at_start_bytes"]
+        out["live_state_bytes"] = [a - b for a, b in zip(after, start, strict=True)]
+        out["malloc_kept_bytes"] = [a - b for a, b in zip(out["state_bytes"], out["live_state_bytes"], strict=True)]
     return out
+
+
+def _per_rank_ratio(many: dict[str, Any], one: dict[str, Any], key: str, less: str | None = None) -> float | None:
+    """The largest rank's `key` on N ranks over the one rank's, each less `less` where given; None if absent."""
+    if key not in many or key not in one or (less is not None and (less not in many or less not in one)):
+        return None
+
+    def figure(row: dict[str, Any]) -> int:
+        minus = row[less] if less is not None else [0] * len(row[key])
+        return max(a - b for a, b in zip(row[key], minus, strict=True))
+
+    return figure(many) / figure(one)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         gib = {k.removesuffix("_bytes"): " ".join(f"{v / 2**30:.2f}" for v in row[k])
                for k in (*FIGURES, "state_bytes")}  # fmt: skip
-        kept = " ".join(f"{v / 2**30:.2f}" for v in row.get("kept_buffer_bytes", []))
-        kept = f" (kept buffers {kept})" if kept else ""
+        labels = (("live", "live_state_bytes"), ("kept buffers", "kept_buffer_bytes"))
+        parts = [f"{label} " + " ".join(f"{v / 2**30:.2f}" for v in row[key]) for label, key in labels if key in row]
+        extra = f" ({', '.join(parts)})" if parts else ""
         print(f"{name:28s} GiB per rank: setup {gib['rss_after_setup']}, after steps {gib['rss_after_steps']}, "
-              f"peak {gib['peak_rss']}, state {gib['state']}{kept}")  # fmt: skip
+              f"peak {gib['peak_rss']}, state {gib['state']}{extra}")  # fmt: skip
     params = next((r["model_params"] for r in rows.values() if "model_params" in r), None)
     summary: dict[str, Any] = {
         "rows": rows,
@@ -132,13 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         "malloc_env_removed": malloc_env,
         "load_average": os.getloadavg(),
     }
-    if "state_bytes" in one and "state_bytes" in many:
-        summary["infinity_state_ratio"] = max(many["state_bytes"]) / max(one["state_bytes"])
-        if "kept_buffer_bytes" in one and "kept_buffer_bytes" in many:
-            sharded = [s - k for s, k in zip(many["state_bytes"], many["kept_buffer_bytes"], strict=True)]
-            summary["infinity_sharded_state_ratio"] = max(sharded) / max(
-                s - k for s, k in zip(one["state_bytes"], one["kept_buffer_bytes"], strict=True)
-            )
+    ratios = {
+        "infinity_state_ratio": _per_rank_ratio(many, one, "state_bytes"),
+        "infinity_sharded_state_ratio": _per_rank_ratio(many, one, "state_bytes", "kept_buffer_bytes"),
+        "infinity_model_state_ratio": _per_rank_ratio(many, one, "live_state_bytes", "kept_buffer_bytes"),
+    }
+    summary.update({k: v for k, v in ratios.items() if v is not None})
+    summary["state_ratio"] = {
+        name: _per_rank_ratio(rows[name], rows[name + ONE_RANK_SUFFIX], "state_bytes")
+        for name in args.names
+        if "error" not in rows[name] and "error" not in rows.get(name + ONE_RANK_SUFFIX, {"error": ""})
+    }
     print(json.dumps(summary))
     return 0
 

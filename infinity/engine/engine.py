@@ -21,7 +21,7 @@ from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling
-from infinity.engine.host_memory import huge_pages_notice, keep_freed_blocks
+from infinity.engine.host_memory import huge_pages_notice, keep_freed_blocks, return_freed_heap
 from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import (
     balance_step_timing,
@@ -183,6 +183,7 @@ class InfinityEngine(EngineStateIO):
         # last, so that an engine whose set-up fails holds nothing
         returns_to_os = self.placement.malloc is MallocTuning.RETURN_TO_OS
         self._give_up_freed_blocks = keep_freed_blocks(memory.freed_block_bytes if returns_to_os else 0)
+        return_freed_heap()  # a model built in full left its unsharded weights in malloc's heap
 
     @property
     def flats(self):

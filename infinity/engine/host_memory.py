@@ -70,6 +70,23 @@ def limit_freed_memory(return_to_os: bool, arenas: int = 2) -> bool:
     return _applied
 
 
+def return_freed_heap() -> bool:
+    """Give the OS the whole free pages glibc's heaps keep (`malloc_trim(0)`), once, where something large
+    was just freed: a model built in full and then sharded leaves its full weights there. False where it
+    does not apply (not glibc, INFINITY_KEEP_MALLOC=1)."""
+    if os.environ.get("INFINITY_KEEP_MALLOC") == "1":
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 

@@ -183,6 +183,9 @@ def merge_ranks(records: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str
                 "rss_after_steps_bytes", "peak_rss_bytes"):  # fmt: skip
         out[key] = [r[key] for r in records]
     out["max_peak_rss_bytes"] = max(out["peak_rss_bytes"])
+    for key in ("malloc_live_at_start_bytes", "malloc_live_after_steps_bytes"):
+        if all(r.get(key) is not None for r in records):
+            out[key] = [r[key] for r in records]
     if "kept_buffer_bytes" in records[0]:
         out["kept_buffer_bytes"] = [r["kept_buffer_bytes"] for r in records]
     if "stall_s" in lead[0]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import statistics
 import subprocess
@@ -24,6 +26,35 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM; ru_maxrss would inherit a parent's peak across fork/exec)."""
     return _status_bytes("VmHWM")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallinfo2 if name else None
+    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
+        return None
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def malloc_live_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back, in its heaps and mapped (glibc's mallinfo2: uordblks +
+    hblkhd): the live part of the resident set, without the freed memory malloc keeps for reuse; None where
+    not glibc 2.33+."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
 
 
 def disk_io() -> tuple[int, int]:

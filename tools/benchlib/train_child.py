@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchlib.measure import peak_rss_bytes, rss_bytes
+from benchlib.measure import malloc_live_bytes, peak_rss_bytes, rss_bytes
 from benchlib.trainers import CONFIGS, StepOptions, build_trainer, import_framework
 
 
@@ -58,7 +58,8 @@ def run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         raise ValueError(f"global batch {spec['batch']} does not divide over {world} ranks")
     micro = spec["batch"] // world
     import_framework(cfg)
-    record: dict[str, Any] = {"rank": rank, "world": world, "rss_at_start_bytes": rss_bytes()}
+    record: dict[str, Any] = {"rank": rank, "world": world, "rss_at_start_bytes": rss_bytes(),
+                              "malloc_live_at_start_bytes": malloc_live_bytes()}  # fmt: skip
     model = build_model(spec)
     record["model_params"] = sum(p.numel() for p in model.parameters())
     record["rss_after_build_bytes"] = rss_bytes()
@@ -87,6 +88,7 @@ def run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             kind = "warm-up" if i < spec["warmup"] else "timed"
             print(f"[{spec['name']}] step {i} {kind} {rec['step_s']:.3f} s loss {rec['loss']:.4f}", flush=True)
     record["rss_after_steps_bytes"] = rss_bytes()
+    record["malloc_live_after_steps_bytes"] = malloc_live_bytes()
     record["peak_rss_bytes"] = peak_rss_bytes()
     kept = trainer.counters().get("kept_buffer_bytes")
     if kept is not None:
