@@ -110,6 +110,18 @@ def test_bench_scale_profile_records_the_timed_steps_only(tmp_path):
             bench_scale.parse_args(["--params", "3e9", *bad])
 
 
+def test_bench_scale_zero_keys_join_the_sections_they_name(tmp_path):
+    import bench_scale
+
+    from infinity.config import load_config
+
+    extra = '{"offload_optimizer": {"buffer_count": 8}, "sub_group_size": 1000000}'
+    cfg = load_config(bench_scale.engine_config(bench_scale.parse_args(["--params", "3e9", "--zero", extra]), tmp_path))
+    z = cfg.zero_optimization
+    assert z.offload_optimizer.buffer_count == 8 and z.sub_group_size == 1_000_000
+    assert z.offload_optimizer.device == "nvme" and z.offload_optimizer.nvme_path == str(tmp_path)  # kept
+
+
 def test_bench_train_runs_infinity_beside_plain_pytorch_with_the_same_losses(tmp_path):
     """...and with --profile, infinity's timed steps leave swap traces that the profiler reads."""
     scratch, profile = tmp_path / "scratch", tmp_path / "profile"
@@ -145,7 +157,7 @@ def test_bench_memory_reports_the_kept_buffers_apart_from_the_sharded_state(tmp_
     sharded = max(s - k for s, k in zip(many["state_bytes"], many["kept_buffer_bytes"], strict=True))
     assert summary["infinity_sharded_state_ratio"] == sharded / max(one["state_bytes"])
     assert summary["state_ratio"] == {"infinity_z3_none": summary["infinity_state_ratio"]}
-    if platform.libc_ver()[0] == "glibc":  # live bytes from glibc's mallinfo2: the model state apart from malloc's cache
+    if platform.libc_ver()[0] == "glibc":  # glibc's mallinfo2: live bytes, apart from malloc's cache
         for row in (many, one):
             assert [s - live for s, live in zip(row["state_bytes"], row["live_state_bytes"], strict=True)] == row[
                 "malloc_kept_bytes"

@@ -119,7 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moments", choices=tuple(scale_bound.MOMENT_BYTES), default="fp32",
                         help="zero_optimization.offload_optimizer.moments (fp32: the key is not set)")  # fmt: skip
     parser.add_argument("--aio", default="{}", help="aio section as JSON, e.g. '{\"queue_depth\": 32}'")
-    parser.add_argument("--zero", default="{}", help="extra zero_optimization keys as JSON")
+    parser.add_argument("--zero", default="{}", help="extra zero_optimization keys as JSON (a section's keys, e.g. "
+                        "'{\"offload_optimizer\": {\"buffer_count\": 8}}', join those set here)")  # fmt: skip
     parser.add_argument("--fio-gib", type=float, default=2.0, help="size of fio's file")
     parser.add_argument("--fio-iodepth", type=int, default=32)
     parser.add_argument("--no-fio", action="store_true", help="skip fio (no io bound, no ratio)")
@@ -181,8 +182,9 @@ def engine_config(args: argparse.Namespace, nvme_dir: Path) -> dict:
         "host_budget_bytes": int(args.host_budget_gib * GiB),
         "device_budget_bytes": None if args.device_budget_gib is None else int(args.device_budget_gib * GiB),
         "sub_group_size": SUB_GROUP_SIZE,
-        **json.loads(args.zero),
     }
+    for key, value in json.loads(args.zero).items():  # a section's keys join the section's (nvme_path stays)
+        zero[key] = {**zero[key], **value} if isinstance(value, dict) and isinstance(zero.get(key), dict) else value
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
