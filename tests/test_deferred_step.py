@@ -274,3 +274,48 @@ def test_the_forward_does_not_wait_for_the_writes_of_the_step_it_settles(tmp_pat
     ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_weights_close(state, ref_state)
+
+
+def test_a_deferred_step_reads_the_next_shards_ahead_while_it_writes_the_last_ones_back(tmp_path):
+    """Under a host budget the window stays `buffer_count` shards (4), shared by the state read ahead and the
+    stepped shards being written back. Half of it stays for reads: when a shard of the deferred step is lent,
+    the read of the shard after it has been started already (with the window full of writes it was started
+    only once the shard before was stepped, and read one at a time). The steps still match plain PyTorch."""
+    cfg = _config("nvme", "fp32", 1, str(tmp_path))
+    cfg["zero_optimization"]["host_budget_bytes"] = 256 << 20
+    cfg["zero_optimization"]["sub_group_size"] = 4096  # flats of 4096 elements at most: more shards than the window
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    store, stepper = engine.shards, engine.optimizer.stepper
+    assert stepper.window == 4 < len(store.records)
+    requested: set = set()
+    ahead_at_lend: list[bool] = []
+    prefetch_state, lend = store.prefetch_state, store.lend
+
+    def record_prefetch(flats, with_grad, master=True):
+        flats = list(flats)
+        if with_grad:  # the deferred step's read-ahead (backward's reads of the first shards are not)
+            requested.update(flats)
+        return prefetch_state(flats, with_grad, master)
+
+    def record_lend(flat, with_grad, gather_next=False):
+        if gather_next and stepper._deferred:  # a deferred shard with another after it
+            ahead_at_lend.append(stepper._deferred[0] in requested)
+        return lend(flat, with_grad, gather_next)
+
+    defer = stepper.defer
+
+    def record_defer(*args, **kwargs):  # each step's read-ahead counts from its own start
+        requested.clear()
+        return defer(*args, **kwargs)
+
+    store.prefetch_state, store.lend, stepper.defer = record_prefetch, record_lend, record_defer
+    data = batches("gpt", MICRO_BS)
+    losses = train_steps(engine, data, STEPS)
+    engine.wait_for_weights()
+    assert len(ahead_at_lend) >= (STEPS - 1) * (len(store.records) - 1)
+    assert all(ahead_at_lend), ahead_at_lend
+    state = engine.full_state_dict()
+    engine.close()
+    ref_losses, ref_state, _ = reference_for("gpt", STEPS, MICRO_BS)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_weights_close(state, ref_state)
