@@ -55,8 +55,9 @@ class OffloadOptimizerConfig:
     buffer_count: int = option(
         4,
         min_value=1,
-        doc="shards of optimizer state in host memory at once (on NVMe); a step deferred into the next forward "
-        "holds more where no host_budget_bytes is set and memory is spare",
+        doc="shards of optimizer state in host memory at once (on NVMe); a step of more shards keeps half of "
+        "them for the next shards' reads while the last ones are written back; a step deferred into the next "
+        "forward holds more where no host_budget_bytes is set and memory is spare",
     )
     pipeline_read: bool = option(
         True, doc="read the next shards' optimizer state while one is stepped (false: each when it is stepped)"
