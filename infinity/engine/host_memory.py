@@ -50,20 +50,28 @@ _freed_block_holders: dict[int, int] = {}  # id -> bytes each holder asked to ke
 _missing_told = False
 
 
+def _malloc_function(name: str) -> Callable[..., int] | None:
+    """libc's `name` (mallopt, malloc_trim), or None where malloc is left alone: INFINITY_KEEP_MALLOC=1, or
+    no such function (not glibc)."""
+    if os.environ.get("INFINITY_KEEP_MALLOC") == "1":
+        return None
+    libc = ctypes.util.find_library("c")
+    if libc is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(libc), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def limit_freed_memory(return_to_os: bool, arenas: int = 2) -> bool:
     """Cap the malloc arenas and, with `return_to_os`, fix the mmap threshold at 1 MiB; once per process.
 
     Returns False where it does not apply (not glibc, opted out)."""
     global _applied
-    if _applied or os.environ.get("INFINITY_KEEP_MALLOC") == "1":
+    mallopt = None if _applied else _malloc_function("mallopt")
+    if mallopt is None:
         return _applied
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
     _applied = bool(mallopt(_M_ARENA_MAX, arenas))
     if return_to_os:
         _applied = bool(mallopt(_M_MMAP_THRESHOLD, 1 << 20)) and _applied
@@ -74,14 +82,8 @@ def return_freed_heap() -> bool:
     """Give the OS the whole free pages glibc's heaps keep (`malloc_trim(0)`), once, where something large
     was just freed: a model built in full and then sharded leaves its full weights there. False where it
     does not apply (not glibc, INFINITY_KEEP_MALLOC=1)."""
-    if os.environ.get("INFINITY_KEEP_MALLOC") == "1":
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    trim = _malloc_function("malloc_trim")
+    if trim is None:
         return False
     trim(0)
     return True
