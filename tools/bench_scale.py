@@ -138,6 +138,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         parser.error(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    for flag in ("aio", "zero"):
+        try:
+            section = json.loads(getattr(args, flag))
+        except json.JSONDecodeError as exc:
+            parser.error(f"--{flag} is not JSON ({exc}): give an object, e.g. '{{\"queue_depth\": 16}}'")
+        if not isinstance(section, dict):
+            parser.error(f"--{flag} must be a JSON object of config keys, got {getattr(args, flag)!r}")
     return args
 
 
