@@ -150,6 +150,17 @@ def test_the_printed_report_carries_the_numbers_and_says_which_rate_is_which(tmp
     assert "'optimizer' exhausted 1 times" in text
 
 
+def test_the_printed_step_tables_give_bytes_and_ops_per_rank_as_they_give_times(tmp_path: Path) -> None:
+    # rank 0 reads 200 MB in forward in 2 ops, rank 1 400 MB in 2 ops: the mean rank, 300 MB in 2 ops
+    write_known_step(tmp_path, rank=0, world_size=2)
+    write_known_step(tmp_path, rank=1, scale=2, world_size=2)
+    text = build_report([tmp_path], plots=False).text
+    step = text[text.index("\nstep 0\n") :]
+    forward_reads = next(line for line in step.splitlines() if line.strip().startswith("nvme->host"))
+    assert forward_reads.split()[1:5] == ["0.300", "GB", "in", "2"]
+    assert "bytes, op counts and rates are per rank" in text
+
+
 def test_well_formed_trace_has_no_problems(one_rank) -> None:
     assert validate(one_rank) == []
 

@@ -26,8 +26,8 @@ from infinity.profiler.traces import RankTrace, load_traces
 
 RATES_NOTE = (
     'GB/s "busy" = bytes / time the pair had a move in flight (union of move spans); '
-    'GB/s "wall" = bytes / the window\'s wall time.\nTimes and rates are per rank (sums over ranks, '
-    "divided); peaks are the highest rank's; GB = 1e9 bytes."
+    'GB/s "wall" = bytes / the window\'s wall time.\nTimes, bytes, op counts and rates are per rank (sums over '
+    "ranks, divided); peaks are the highest rank's; GB = 1e9 bytes."
 )
 
 
@@ -77,10 +77,14 @@ def _window_lines(w: Window, label: str, indent: str = "  ") -> list[str]:
     rates += sorted(w.collectives.items(), key=lambda kv: order.get(kv[0], len(order)))
     for name, rate in rates:
         lines.append(
-            f"{indent}    {name:<15} {_gb(rate.bytes):>11} in {rate.count:>5} ops   "
+            f"{indent}    {name:<15} {_gb(rate.bytes / per_rank):>11} in {_count(rate.count / per_rank):>5} ops   "
             f"{rate.gbps_busy:7.2f} GB/s busy   {rate.gbps_wall:7.2f} GB/s wall"
         )
     return lines
+
+
+def _count(mean: float) -> str:
+    return f"{mean:.0f}" if mean == int(mean) else f"{mean:.1f}"
 
 
 HEADER = f"  {'phase':<10} {'wall ms':>10} {'stall ms':>10} {'stall':>8}  {'prefetch hit':<14} peak live"
