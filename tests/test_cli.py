@@ -80,7 +80,7 @@ def test_config_command_resolves_a_files_auto_values_and_batch_arithmetic(tmp_pa
     assert cfg["optimizer"]["params"]["lr"] == 3e-3
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 32 * 32  # tiny: hidden 32
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert cfg["aio"]["queue_depth"] == 8  # every default is filled in
+    assert cfg["aio"]["queue_depth"] == 16  # every default is filled in
 
 
 def test_config_command_reports_a_mistake_and_exits_2(tmp_path, capsys):

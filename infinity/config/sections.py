@@ -20,7 +20,9 @@ class AioConfig:
     """The async direct-I/O engine (DeepSpeed's `aio` section)."""
 
     block_size: int = option(1048576, min_value=4096, doc="bytes per I/O piece; a multiple of 4096")
-    queue_depth: int = option(8, min_value=1, doc="requests in flight per worker thread")
+    queue_depth: int = option(
+        16, min_value=1, doc="requests in flight per worker thread (DeepSpeed's default is 8; see README)"
+    )
     intra_op_parallelism: int = option(
         1, aliases=("thread_count",), min_value=1, doc="worker threads splitting each request"
     )
