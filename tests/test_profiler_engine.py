@@ -16,7 +16,9 @@ from infinity.profiler.traces import load_traces
 STEPS = 3
 
 
-def profiled_run(nvme_path: str, trace_dir: str | None, clip: float = 1.0, host_budget: int | None = None) -> dict:
+def profiled_run(
+    nvme_path: str, trace_dir: str | None, clip: float = 1.0, host_budget: int | None = None, recompute: bool = True
+) -> dict:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -29,6 +31,7 @@ def profiled_run(nvme_path: str, trace_dir: str | None, clip: float = 1.0, host_
         nvme_path=nvme_path,
         extra_zero={"host_budget_bytes": host_budget},
     )
+    cfg["zero_optimization"]["offload_optimizer"]["recompute_gradients"] = recompute
     if trace_dir is not None:
         cfg["profiler"] = {"enabled": True, "path": trace_dir, "start_step": 0, "end_step": STEPS - 1}
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
@@ -133,14 +136,31 @@ def test_an_optimizer_step_inside_forward_or_backward_records_its_arithmetic_and
     assert report.diagnosis.breakdown.mean.phase(phase).stall_ns.get("optimizer step", 0) > 0
 
 
+def test_a_gradient_replay_is_recorded_as_compute_in_the_forward_that_runs_it(tmp_path):
+    """Clipped under a host budget, each block's gradient is recomputed when its deferred step runs in the next
+    forward: the trace records that time as compute of "<block> (gradient replay)" in forward, which the
+    report's checks accept; backward writes no gradient."""
+    trace_dir = tmp_path / "trace"
+    (result,) = run_distributed(profiled_run, 1, str(tmp_path), str(trace_dir), 1.0, 256 << 20)
+    (trace,) = load_traces(sorted(trace_dir.glob("trace_rank*.jsonl")))
+    assert analysis.validate([trace]) == []
+    replays = {(r["block"], r["step"]) for r in trace.records["compute"] if r["block"].endswith("(gradient replay)")}
+    assert replays == {(f"{b} (gradient replay)", s) for b in result["blocks"] for s in range(1, STEPS)}
+    assert {r["phase"] for r in trace.records["compute"] if "(gradient replay)" in r["block"]} == {"forward"}
+    grads_written = [r for r in trace.records["move"] if r["key"].endswith("'grad')") and r["dst"] == "nvme"]
+    assert {r["block"] for r in grads_written} <= {"<root>", "<persistent>"}
+    report = build_report(sorted(trace_dir.glob("trace_rank*.jsonl")), out_dir=tmp_path / "report", plots=False)
+    assert report.problems == []
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_waits_for_gradient_writes_are_recorded_as_disk_write_stalls_of_their_flat(tmp_path, world):
-    """Clipped under a host budget, gradients wait on NVMe for the step: backward writes each flat's and
-    waits for the oldest write when more are in flight than the plan holds. Those waits are stalls on
+    """Clipped under a host budget, gradients not recomputed wait on NVMe for the step: backward writes each
+    flat's and waits for the oldest write when more are in flight than the plan holds. Those waits are stalls on
     host->nvme of the flat written (not compute of the block whose hook waited), and the report counts them
     in backward's disk write stalls."""
     trace_dir = tmp_path / "trace"
-    results = run_distributed(profiled_run, world, str(tmp_path), str(trace_dir), 1.0, 256 << 20)
+    results = run_distributed(profiled_run, world, str(tmp_path), str(trace_dir), 1.0, 256 << 20, False)
     traces = load_traces(sorted(trace_dir.glob("trace_rank*.jsonl")))
     assert analysis.validate(traces) == []
     for trace, result in zip(traces, results, strict=True):

@@ -67,6 +67,13 @@ class OffloadOptimizerConfig:
     pipeline_write: bool = option(
         True, doc="write a stepped shard's state back while the next is stepped (false: wait for each write)"
     )
+    recompute_gradients: bool = option(
+        True,
+        doc="on NVMe, with a step deferred into the next forward (clipping, fp16, a client optimizer) and its "
+        "gradients waiting on NVMe (host_budget_bytes set), one micro-batch per step: recompute each block's "
+        "gradient when its step runs (one more forward and backward of the block) instead of writing it in "
+        "backward and reading it back",
+    )
     fast_init: bool = option(False)
     ratio: float = option(1.0, min_value=0.0, max_value=1.0)
     moments: str = option(

@@ -21,6 +21,7 @@ from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling
+from infinity.engine.grad_replay import GradientReplay, recompute_gradients
 from infinity.engine.host_memory import huge_pages_notice, keep_freed_blocks, return_freed_heap
 from infinity.engine.inputs import move_inputs
 from infinity.engine.memory_plan import (
@@ -54,6 +55,7 @@ from infinity.profiler.null_writer import NullTraceWriter
 from infinity.profiler.wall_clock import WallClock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
+from infinity.scheduler.block_inputs import BlockInputs
 from infinity.scheduler.unused_params import UnusedParameterCheck
 from infinity.shards import MallocTuning, ShardStore, resolve_placement
 from infinity.storage import MoveCounter, Tier
@@ -110,7 +112,8 @@ class InfinityEngine(EngineStateIO):
         self.grads_in_host = grads_wait_in_host(z, self.placement, waiting_grads, available)
         held_grads = waiting_grads if self.grads_in_host else 0
         spare = spare_host_bytes(z, self.placement, held_grads, available)
-        memory = plan_memory(z, plan, self.placement, groups.group_of, spare)
+        recompute = recompute_gradients(cfg, self.placement, self.grads_in_host)
+        memory = plan_memory(z, plan, self.placement, groups.group_of, spare, recompute)
         if z.host_budget_bytes is not None:  # host memory is the constraint: keep what its plan counts
             # the gather window, and the gradient flats in flight: those waiting for their step or their
             # NVMe write (half the optimizer's window), the one stepped and the one being filled
@@ -178,6 +181,24 @@ class InfinityEngine(EngineStateIO):
             collectives=world > 1,
             prof=self.prof,
         )
+        self.grad_replay: GradientReplay | None = None
+        self._block_inputs: BlockInputs | None = None
+        if recompute:  # its hooks after the scheduler's: a block's call is captured once it is gathered
+            scheduler = self.scheduler
+            self._block_inputs = BlockInputs(
+                model, self.blocks, lambda: scheduler.phase, scheduler.reads_across, device
+            )
+            self.grad_replay = GradientReplay(
+                self.blocks,
+                self.persistent,
+                self._block_inputs,
+                scheduler,
+                self.reducer,
+                self.optimizer,
+                self.shards,
+                self.prof,
+            )
+            self.shards.grad_replay = self.grad_replay
         self.moves.reset()  # bytes_moved counts training's moves, not the shards' first placement
         # freed buffers go back to the OS at once: keep one block's gradients' worth for reuse (host_memory);
         # last, so that an engine whose set-up fails holds nothing
@@ -298,6 +319,8 @@ class InfinityEngine(EngineStateIO):
                 return
             coef = ShardedAdam.clip_coefficient(norm, clip)
         in_order = self._forward_order()
+        if self.grad_replay is not None:
+            self.grad_replay.keep_persistent_weights()
         self.optimizer.step(grad_scale=coef / scale, order=[f for flats in in_order for f in flats])
         self.optimizer.zero_grad()
         self.sharing.share(in_order)  # stages 1-2: arrives behind the next forward
@@ -351,6 +374,8 @@ class InfinityEngine(EngineStateIO):
             self.sharing.wait_all()  # stages 1-2: the module holds the trained weights after close
         finally:
             self.scheduler.remove_hooks()
+            if self._block_inputs is not None:
+                self._block_inputs.remove_hooks()
             if self._unused_check is not None:
                 self._unused_check.remove()
             self.shards.close()

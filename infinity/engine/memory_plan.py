@@ -77,6 +77,7 @@ def plan_memory(
     placement: Placement,
     group_of: dict[int, int] | None = None,
     spare_host_bytes: int = 0,
+    recompute_gradients: bool = False,
 ) -> MemoryPlan:
     """Byte budgets per tier, the optimizer's window and the parameters' read-ahead.
 
@@ -85,7 +86,8 @@ def plan_memory(
     `offload_param.buffer_count` x `buffer_size`, and a deferred NVMe step's window grows into
     `spare_host_bytes` (`deferred_step_window`); with one, the optimizer's window shrinks to fit what
     the others leave, and read-ahead gets the rest. With the compute in host memory (a CPU-only machine
-    without a device budget) an explicit host budget also covers the compute's working set.
+    without a device budget) an explicit host budget also covers the compute's working set, and with
+    `recompute_gradients` (`grad_replay`) the gradients of the block replayed for the step.
     """
     world, itemsize = placement.world_size, placement.compute_dtype.itemsize
     largest, total, always_gathered = largest_shard_elems(plan, world)
@@ -123,6 +125,8 @@ def plan_memory(
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
             working += always_gathered * itemsize
+            if recompute_gradients:  # its weights gathered take the slot of a block being reduced (none in forward)
+                working += largest * placement.grad_dtype.itemsize
         room = host - working - param_min - grad_rmw
         if optim_on_nvme:
             window = min(window, room // shard_state)
@@ -165,9 +169,7 @@ def balance_step_timing(
     z = cfg.zero_optimization
     if placement.step_timing is not StepTiming.DURING_BACKWARD or z.host_budget_bytes is not None:
         return placement
-    deferred = resolve_placement(
-        cfg, placement.compute_device, placement.world_size, client_optimizer, defer_step=True
-    )
+    deferred = resolve_placement(cfg, placement.compute_device, placement.world_size, client_optimizer, defer_step=True)
     if deferred.step_timing is not StepTiming.BEFORE_NEXT_GATHER:
         return placement
     layout = (plan, group_of, deferred, cfg.gradient_accumulation_steps, z.sub_group_size)

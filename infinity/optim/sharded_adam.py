@@ -9,6 +9,8 @@ belong to the shard store; the step is the stepper's (`optim.steppers`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -79,6 +81,16 @@ class ShardedAdam(torch.optim.Optimizer):
         full = flat.flat_grad(out)
         if full is not None:
             self.accumulate_grad(flat, full, final)
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """The gradients handed over meanwhile are recomputed for a deferred step (the engine's `GradientReplay`),
+        not a backward's: no step is about to be deferred for them."""
+        expecting, self._expecting_defer = self._expecting_defer, True
+        try:
+            yield
+        finally:
+            self._expecting_defer = expecting
 
     def _final_grad_arrives(self) -> None:
         """The first final gradient of a step whose step will be deferred: the stepper prepares for it."""

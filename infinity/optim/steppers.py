@@ -264,6 +264,8 @@ class NativeStepper:
         hyper: list[dict[str, Any]] | None = None,
         gather_next: bool = False,
     ) -> None:
+        if grad is None:  # a gradient to be recomputed is, before the wait for the state reads begins
+            self.shards.prepare_grad(flat)
         block = self._span_name(flat.name)
         start = time.perf_counter_ns()
         self.prof.open_span("stall")  # a wait for memory inside is part of this one

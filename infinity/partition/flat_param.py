@@ -106,10 +106,16 @@ class FlatParam:
         self.comm.broadcast(flat, 0, f"initial weights of {self.name}")
         return flat
 
-    def install_views(self) -> None:
-        """Point every parameter at its range of the (allocated) full buffer."""
+    def install_views(self, full: torch.Tensor | None = None) -> None:
+        """Point every parameter at its range of the (allocated) full buffer, or of `full` (a copy of it)."""
+        full = self.full if full is None else full
         for slot, p in zip(self.slots, self.params, strict=True):
-            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def clear_views(self) -> None:
+        """Point every parameter at an empty tensor again (after `install_views` of a copy, on a sharded flat)."""
+        for p in self.params:
+            p.data = self._empty
 
     def make_resident(self, full: torch.Tensor) -> None:
         """Make `full` (the whole flat in the compute dtype, memory the compute reads, owned by the shard

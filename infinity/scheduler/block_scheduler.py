@@ -24,7 +24,8 @@ several ranks), and each block's compute span.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -89,6 +90,29 @@ class BlockScheduler(GatherWindow):
             if block.resident:
                 self._settle_resident(block, stall=False)
 
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """A block's forward and backward run again to recompute its gradient (`BlockInputs.recompute`): the
+        hooks gather, record and reduce nothing meanwhile; the phase before is restored after."""
+        phase, self.phase = self.phase, Phase.REPLAY
+        try:
+            yield
+        finally:
+            self.phase = phase
+
+    def issue_queued_gathers(self) -> None:
+        """Issue every queued gather now: another collective follows (see `GatherWindow._issue_all`)."""
+        self._issue_all()
+
+    def reads_across(self, block: ShardedBlock) -> bool:
+        """In this pass, `block`'s parameters were read from outside its forward, or its forward read the
+        parameters of another block or of the root (`param_access`)."""
+        return (
+            self._external.was_read(block)
+            or bool(self._external.read_by(block))
+            or block in self._external.root_readers
+        )
+
     def _open(self, block: ShardedBlock) -> None:
         """A block's compute starts now: the previous one's span (if still open) ends here."""
         self._close()
@@ -114,7 +138,7 @@ class BlockScheduler(GatherWindow):
     # -- forward -------------------------------------------------------------------------------
 
     def _root_pre_forward(self, module: nn.Module, args) -> None:
-        if self.phase is Phase.BACKWARD:
+        if self.phase in (Phase.BACKWARD, Phase.REPLAY):
             return
         self.phase = Phase.FORWARD
         self._running = [self.root]
@@ -149,6 +173,8 @@ class BlockScheduler(GatherWindow):
 
     def _pre_forward_hook(self, block: ShardedBlock):
         def hook(module: nn.Module, args) -> None:
+            if self.phase is Phase.REPLAY:
+                return
             if self.phase is Phase.BACKWARD:  # activation checkpointing recomputes inside backward
                 self._ensure_gathered(block)
                 return
@@ -166,7 +192,7 @@ class BlockScheduler(GatherWindow):
 
     def _post_forward_hook(self, block: ShardedBlock):
         def hook(module: nn.Module, args, output):
-            if self.phase is Phase.BACKWARD:
+            if self.phase in (Phase.BACKWARD, Phase.REPLAY):
                 return output
             self._close()
             if torch.is_grad_enabled():
@@ -201,9 +227,13 @@ class BlockScheduler(GatherWindow):
         """A parameter of `block` was read by name (`param_access`): gather the block if the read comes from
         outside it. Only forward and backward gather; reads between steps see what is there (resident
         weights once they have arrived)."""
+        if self.phase is Phase.REPLAY:  # the replay put the weights it reads in place itself
+            return
         if block.resident:
             self._settle_resident(block, stall=self.phase is not Phase.IDLE)
         if block is self.root or block is self.persistent:  # gathered for the whole pass: nothing to do
+            if block is self.root and self.phase is Phase.FORWARD and self._running[-1:] != [self.root]:
+                self._external.root_readers.add(self._running[-1])
             return
         if self.phase is Phase.IDLE or block in self._running:
             return
@@ -253,6 +283,8 @@ class BlockScheduler(GatherWindow):
 
     def _grad_hook(self, block: ShardedBlock):
         def hook(param: torch.Tensor) -> None:
+            if self.phase is Phase.REPLAY:  # (a replay takes its gradients with autograd.grad: never called)
+                return
             block.grads_ready += 1
             if block.grads_ready == len(block.trainable):
                 block.grads_ready = 0

@@ -24,6 +24,7 @@ class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
+    REPLAY = "replay"  # a block's gradient recomputed for a deferred step (`BlockInputs.recompute`): no hooks act
 
 
 class GatherWindow:

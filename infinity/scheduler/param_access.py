@@ -65,6 +65,7 @@ class ExternalReads:
         self._this_call: dict[ShardedBlock, list[ShardedBlock]] = {}  # reader -> blocks read in its running call
         self._this_pass: dict[ShardedBlock, list[ShardedBlock]] = {}  # reader -> blocks read since the last backward
         self.held_for_step: set[ShardedBlock] = set()  # read by the root with autograd on
+        self.root_readers: set[ShardedBlock] = set()  # blocks whose forward read a root parameter this pass
 
     def begin_call(self, reader: ShardedBlock) -> None:
         self._this_call[reader] = []
@@ -80,6 +81,10 @@ class ExternalReads:
             seen.append(block)
         return True
 
+    def was_read(self, block: ShardedBlock) -> bool:
+        """Some reader other than `block` itself read `block` in this pass (or the root holds it for the step)."""
+        return block in self.held_for_step or any(block in read for read in self._this_pass.values())
+
     def end_call(self, reader: ShardedBlock) -> list[ShardedBlock]:
         """The blocks `reader` read in the call that ends now."""
         return self._this_call.pop(reader, [])
@@ -92,3 +97,4 @@ class ExternalReads:
         self._this_call.clear()
         self._this_pass.clear()
         self.held_for_step.clear()
+        self.root_readers.clear()

@@ -9,11 +9,18 @@ A gradient sum whose home is NVMe stays in host memory instead (held) while the 
 `grad_hold_bytes` allow: it waits there for its step, which takes it (`lend`), and never touches the
 disk. The same flats are held every step (gradients arrive in the same order), so a flat's NVMe slot is
 dropped when it is first held: it would hold an older step's gradient.
+
+Where a `GradReplay` accepts a flat (its block's gradient can be computed again when its deferred step
+runs), only the gradient's norm is kept: the step asks for the gradient again (`prepare_grad`), and the
+recomputed one, handed over as backward's was, is held once its norm matches the one kept, so it neither waits on
+NVMe nor in host memory through the step boundary.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Protocol
 
 import torch
 
@@ -24,6 +31,17 @@ from infinity.shards.kinds import ShardKind
 from infinity.storage import ALIGN, Tier
 
 GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
+REPLAY_NORM_RTOL = 1e-4  # a recomputed gradient's squared norm against backward's: rounding, not a different gradient
+
+
+class GradReplay(Protocol):
+    """Recomputes the gradients of a flat's block for its deferred step (the engine's `GradientReplay`)."""
+
+    def accepts(self, flat: FlatParam) -> bool:
+        """`flat`'s final gradient, arriving now, can be recomputed when its step runs."""
+
+    def replay(self, flat: FlatParam) -> None:
+        """Recompute the gradients of `flat`'s block and hand them over as backward did (`accumulate_grad`)."""
 
 
 class GradientAccumulators:
@@ -32,7 +50,7 @@ class GradientAccumulators:
     def grad_accumulator(self, flat: FlatParam) -> torch.Tensor | None:
         """The gradient accumulator where the compute may write into it directly (memory on its side), else
         None: gradients then come through `accumulate_grad`."""
-        self.settle(flat)  # a deferred step still reads the last step's gradient from it
+        self._settle_before_grad(flat)
         if self.placement.grads_cross_to_host:
             return None
         return self.shard_view(flat, ShardKind.GRAD)
@@ -47,13 +65,19 @@ class GradientAccumulators:
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
         """Add one micro-batch's gradient shard (in the compute's memory) into the accumulator; `final` marks
         the last micro-batch before a step."""
-        self.settle(flat)
+        self._settle_before_grad(flat)
         if self.placement.grads_cross_to_host:
             self._grads_crossing.append((flat, final, self.crossing.grad_to_host(grad)))
             while len(self._grads_crossing) > GRADS_IN_FLIGHT:  # the next copy runs while this one is summed
                 self._land_grad(*self._grads_crossing.popleft())
             return
         self._add_grad(flat, grad, final)
+
+    def _settle_before_grad(self, flat: FlatParam) -> None:
+        """A deferred step still reads the last step's gradient: settle it before a new one arrives, unless the
+        arriving one is that gradient, recomputed for the step (`prepare_grad`)."""
+        if flat not in self._replay_owed:
+            self.settle(flat)
 
     def _land_grads(self) -> None:
         """Sum every gradient still crossing into its accumulator."""
@@ -84,6 +108,12 @@ class GradientAccumulators:
             self.grad_written(flat, final)
             return
         grad = grad.to("cpu", self.placement.grad_dtype)
+        if flat in self._replay_owed:  # the gradient recomputed for its step, arriving the way backward's did
+            self._hold_replayed_grad(flat, grad)
+            return
+        if final and not record.has_grad and self.grad_replay is not None and self.grad_replay.accepts(flat):
+            self._owe_replay(flat, grad)
+            return
         held = self._held_grads.get(flat)
         if held is not None:  # an earlier micro-batch's sum, in host memory
             held.add_(grad)
@@ -180,6 +210,48 @@ class GradientAccumulators:
             record.grad_norm_sq = None
         for flat in [f for f in self._held_grads if not self.owes(f)]:  # a step owed still takes its gradient
             self._take_held_grad(flat)
+        for flat in [f for f in self._replay_owed if not self.owes(f)]:
+            del self._replay_owed[flat]
+
+    # -- gradients recomputed for their step ---------------------------------------------------------
+
+    def _owe_replay(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """Keep only the squared norm of `flat`'s final gradient: its step gets it recomputed (`prepare_grad`)."""
+        record = self.records[flat]
+        record.grad_norm_sq = norm_sq(grad)
+        record.has_grad = True
+        self._replay_owed[flat] = record.grad_norm_sq
+        key = self.key(flat, ShardKind.GRAD)
+        if key in self.tiers:  # an older step's gradient (its block was not replayable then): nobody may read it
+            self.tiers.drop(key)
+
+    def prepare_grad(self, flat: FlatParam) -> None:
+        """Have `flat`'s gradient in memory for its step if it is to be recomputed (`GradReplay.replay`)."""
+        if flat in self._replay_owed and flat not in self._held_grads:
+            self.grad_replay.replay(flat)
+            self._land_grads()
+            if flat in self._replay_owed:
+                raise RuntimeError(f"the gradient replay of {flat.name}'s block did not recompute {flat.name}")
+
+    def replays_owed(self) -> set[FlatParam]:
+        """The flats whose gradient for the step owed is still to be recomputed (it is nowhere now)."""
+        return set(self._replay_owed)
+
+    def _hold_replayed_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """The recomputed gradient of `flat` (host, `placement.grad_dtype`), held for its step once its squared
+        norm matches the one backward's gave (the clipping used it); else it raises."""
+        expected = self._replay_owed[flat]
+        got = norm_sq(grad)
+        if not math.isclose(got, expected, rel_tol=REPLAY_NORM_RTOL, abs_tol=1e-30):
+            raise RuntimeError(
+                f"the gradient of {flat.name} recomputed for its deferred step has squared norm {got:.9g}, backward's "
+                f"had {expected:.9g}: its block's forward does not repeat (a random or stateful operation outside "
+                "torch's RNG?); set 'zero_optimization.offload_optimizer.recompute_gradients' to false"
+            )
+        del self._replay_owed[flat]
+        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size() + 2 * ALIGN:  # a view (stage 1)
+            grad = self.comm.buffers.take(grad.numel(), grad.dtype, grad.device).copy_(grad)
+        self._held_grads[flat] = grad
 
     # -- gradients held in host memory -------------------------------------------------------------
 
@@ -205,9 +277,13 @@ class GradientAccumulators:
     def _grad_in_memory(self, flat: FlatParam) -> torch.Tensor | None:
         """The gradient sum where it is in memory: the accumulator's home there, or a held sum."""
         view = self.shard_view(flat, ShardKind.GRAD)
+        if view is None:
+            self.prepare_grad(flat)
         return view if view is not None else self._held_grads.get(flat)
 
     def _take_held_grad(self, flat: FlatParam) -> torch.Tensor | None:
         """`_grad_in_memory`; a held sum is handed over (whoever takes it, a step, frees it)."""
         view = self.shard_view(flat, ShardKind.GRAD)
+        if view is None:
+            self.prepare_grad(flat)
         return view if view is not None else self._held_grads.pop(flat, None)

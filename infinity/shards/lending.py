@@ -93,7 +93,8 @@ class OptimizerLending:
             keys = []
             for flat in flats:
                 keys += [self.key(flat, kind) for kind in OPTIM_KINDS if master or kind is not ShardKind.MASTER]
-                if with_grad and flat not in self._held_grads:  # a held gradient is in memory already
+                # a held gradient is in memory already, a recomputed one is made in memory
+                if with_grad and flat not in self._held_grads and flat not in self._replay_owed:
                     keys.append(self.key(flat, ShardKind.GRAD))
             self.tiers.prefetch(keys, Tier.HOST)
 

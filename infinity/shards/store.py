@@ -34,7 +34,7 @@ from infinity.partition.flat_param import FlatParam
 from infinity.profiler.null_writer import NullTraceWriter
 from infinity.shards import registry
 from infinity.shards.crossing import DeviceHostCopies, StagedCopy
-from infinity.shards.gradients import GRADS_IN_FLIGHT, GradientAccumulators
+from infinity.shards.gradients import GRADS_IN_FLIGHT, GradientAccumulators, GradReplay
 from infinity.shards.kinds import ShardKind, ShardRecord
 from infinity.shards.lending import OptimizerLending
 from infinity.shards.moments import MOMENT_NAMES, decode, encode, moment_format, packed_views
@@ -70,6 +70,8 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         self.prof = prof if prof is not None else NullTraceWriter()
         self.grad_hold_bytes = grad_hold_bytes
         self._held_grads: dict[FlatParam, torch.Tensor] = {}  # gradient sums kept in host memory, not on NVMe
+        self.grad_replay: GradReplay | None = None  # recomputes gradients for deferred steps (the engine sets it)
+        self._replay_owed: dict[FlatParam, float] = {}  # flats whose gradient is to be recomputed: its norm^2
         self._owed: dict[FlatParam, Callable[[FlatParam], None]] = {}  # updates not yet applied
         self.crossing = DeviceHostCopies(tiers.copies, placement.compute_dtype)
         self._grads_crossing: deque[tuple[FlatParam, bool, StagedCopy]] = deque()  # copies to the host in flight
@@ -304,6 +306,17 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         self.tiers.release(key, p.gather_from, keep=kept and p.step_in_backward)
         if p.param_home is not Tier.DEVICE and not kept and not stepped:
             self.tiers.evict(key)
+
+    def fetch_unsettled_param(self, flat: FlatParam) -> torch.Tensor:
+        """This rank's parameter shard as it is, where gathers read it, without settling the update owed to it
+        (a gradient replay needs the weights that update is computed from); `release_unsettled_param` after."""
+        if self.placement.param_home is not self.placement.gather_from:
+            self.param_bytes_fetched += flat.shard_numel * self.placement.compute_dtype.itemsize
+        return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from).wait()
+
+    def release_unsettled_param(self, flat: FlatParam) -> None:
+        """Done with `fetch_unsettled_param`'s shard: its copy stays cached (the step reads it next)."""
+        self.tiers.release(self.key(flat, ShardKind.PARAM), self.placement.gather_from, keep=True)
 
     def read_ahead(self, flats: Iterable[FlatParam]) -> None:
         """Start reading NVMe parameter shards into host memory, in order, within the read-ahead cap."""

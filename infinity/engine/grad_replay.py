@@ -1,0 +1,151 @@
+"""GradientReplay: a block's gradients recomputed when its deferred step runs, instead of kept until then.
+
+Where the NVMe optimizer's step waits for the global gradient norm (clipping, fp16's overflow check) or a
+client optimizer's hyper-parameters, it is deferred into the next forward, and every gradient waits for it:
+under a host budget on NVMe, written in backward and read back by the step (8 bytes per fp32 parameter).
+Instead, backward keeps each block's gradient norm only (`ShardStore`), and `BlockInputs` keeps what the
+block's forward was given and what its outputs' gradient was. When the step reaches the block, its forward
+and backward run again from those, on the weights of the step before (the shards the step is about to
+update), and the gradients are reduced and handed to the shard store as backward handed them: the same
+bytes, verified against the norm backward gave. One more forward and backward of each block replaces the
+disk's round trip, where the disk, not the compute, sets the step time.
+
+It applies with one micro-batch per step and where the gradients would wait on NVMe (`recompute_gradients`).
+A block's forward may read the persistent parameters (small ones, gathered for the whole pass), which the
+step updates before any block: their weights as backward saw them are copied when the step is deferred
+(`keep_persistent_weights`, a few bytes per block) and put in place for each replay. A block that holds
+parameters of neither kind, or whose call cannot be replayed (`BlockInputs.ready`), sends its gradients the
+usual way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from infinity.config import InfinityConfig
+from infinity.engine.grad_reduction import GradReducer
+from infinity.optim.sharded_adam import ShardedAdam
+from infinity.partition import FlatParam
+from infinity.partition.sharded_block import ShardedBlock
+from infinity.scheduler import BlockScheduler
+from infinity.scheduler.block_inputs import BlockInputs
+from infinity.shards import ShardStore
+from infinity.shards.policy import Placement, StepTiming
+from infinity.storage import Tier
+
+
+def recompute_gradients(cfg: InfinityConfig, placement: Placement, grads_in_host: bool) -> bool:
+    """Whether gradients are recomputed for their step: `offload_optimizer.recompute_gradients` is on, the NVMe
+    optimizer's step is deferred into the next forward, its gradients would wait on NVMe (not in host memory)
+    and each step takes one micro-batch (a replay recomputes one forward's gradient)."""
+    return (
+        cfg.zero_optimization.offload_optimizer.recompute_gradients
+        and placement.optim_home is Tier.NVME
+        and placement.step_timing is StepTiming.BEFORE_NEXT_GATHER
+        and not grads_in_host
+        and cfg.gradient_accumulation_steps == 1
+    )
+
+
+class GradientReplay:
+    """The shard store's `GradReplay`: see the module docstring."""
+
+    def __init__(
+        self,
+        blocks: list[ShardedBlock],
+        persistent: ShardedBlock,
+        inputs: BlockInputs,
+        scheduler: BlockScheduler,
+        reducer: GradReducer,
+        optimizer: ShardedAdam,
+        shards: ShardStore,
+        prof,
+    ) -> None:
+        self.inputs = inputs
+        self.scheduler = scheduler
+        self.reducer = reducer
+        self.optimizer = optimizer
+        self.shards = shards
+        self.prof = prof
+        self.persistent = persistent
+        self._block_of: dict[FlatParam, ShardedBlock] = {f: b for b in blocks for f in b.flats}
+        ours = {id(p) for f in persistent.flats for p in f.params}
+        self._self_contained = {  # the block's own parameters and persistent ones are all its forward holds
+            b.index
+            for b in blocks
+            if {id(p) for p in b.module.parameters()} <= ours | {id(p) for f in b.flats for p in f.params}
+        }
+        self._persistent_weights: dict[FlatParam, torch.Tensor] = {}
+        self.replayed_blocks = 0  # blocks whose gradients were recomputed (a counter)
+
+    def accepts(self, flat: FlatParam) -> bool:
+        block = self._block_of.get(flat)
+        return block is not None and block.index in self._self_contained and self.inputs.ready(block)
+
+    def keep_persistent_weights(self) -> None:
+        """The step is about to be deferred: copy the persistent parameters' weights (gathered since the forward)
+        for the replays, which run after the step has updated them."""
+        self._persistent_weights = {f: f.full.clone() for f in self.persistent.flats if f.unsharded}
+
+    def replay(self, flat: FlatParam) -> None:
+        """Gather `flat`'s block with the weights its owed step starts from, run its forward and backward again
+        and hand its gradients over (to `ShardStore.accumulate_grad`, which holds them for the step)."""
+        block = self._block_of[flat]
+        start = time.perf_counter_ns()
+        self.scheduler.issue_queued_gathers()  # this replay's collectives come after them on every rank
+        fetched: list[FlatParam] = []
+        gathered: list[FlatParam] = []
+        try:
+            for f in block.flats:
+                if f.unsharded:  # resident: its buffer holds the weights until the step writes them
+                    continue
+                shard = self.shards.fetch_unsettled_param(f)
+                fetched.append(f)
+                if shard.numel() == f.padded_numel and shard.device == f.full.device:
+                    f.install_views(shard)  # one rank: the shard is the whole flat, read where it is
+                else:
+                    f.unshard(shard)
+                gathered.append(f)
+            with self.scheduler.replaying(), self._persistent_in_place():
+                grads = self.inputs.recompute(block)
+            for p, g in zip(block.trainable, grads, strict=True):
+                p.grad = g
+            with self.optimizer.replaying():
+                self.reducer.reduce_block(block, final=True)
+                self.reducer.flush()
+        finally:
+            for p in block.trainable:
+                p.grad = None
+            for f in gathered:
+                if f.unsharded:
+                    f.reshard()
+                else:
+                    f.clear_views()
+            for f in fetched:
+                self.shards.release_unsettled_param(f)
+        self.inputs.drop(block)
+        self.replayed_blocks += 1
+        if not self._block_of.keys() & self.shards.replays_owed():  # the last one: the copies can go
+            self._persistent_weights = {}
+        self.prof.compute(f"{block.name} (gradient replay)", start, time.perf_counter_ns())
+
+    @contextmanager
+    def _persistent_in_place(self) -> Iterator[None]:
+        """The persistent parameters point at the weights kept for the replays meanwhile."""
+        flats = [f for f in self.persistent.flats if f.params]
+        missing = [f.name for f in flats if f not in self._persistent_weights]
+        if missing:
+            raise RuntimeError(f"no weights were kept for the replay of persistent parameters {missing}")
+        now = [[p.data for p in f.params] for f in flats]
+        try:
+            for f in flats:
+                f.install_views(self._persistent_weights[f])
+            yield
+        finally:
+            for f, data in zip(flats, now, strict=True):
+                for p, d in zip(f.params, data, strict=True):
+                    p.data = d

@@ -1,0 +1,213 @@
+"""BlockInputs: what each block's forward was given and what gradient its outputs got back, kept so that
+the block's parameter gradients can be computed again later (`recompute`) instead of stored.
+
+A block's call is captured when it is its block's only call in a training forward (grad mode on, no
+autocast): its inputs (tensors detached, their versions noted), the RNG state it began from, and, in
+backward, the gradient each of its outputs received. The block can be replayed (`ready`) only if its
+gradient came from that call alone and the call can be repeated: no other code read its parameters and
+it read no other block's or the root's (`param_access`), no input is a view of gathered weights, no input
+was changed in place since, the call changed no buffer of the block (running statistics), and it was not
+called again. Running its forward again from
+those inputs with the same weights and RNG, and backward from those output gradients, gives the same
+parameter gradients its backward gave: the technique activation checkpointing relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from infinity.partition.sharded_block import ShardedBlock
+from infinity.scheduler.gather_window import Phase
+
+# leaves other than tensors a captured call may take: values a later call cannot have changed
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
+
+
+@dataclass
+class BlockCall:
+    """One captured forward call of a block (see the module docstring)."""
+
+    args: tuple
+    kwargs: dict
+    versions: list[tuple[torch.Tensor, int]]  # input tensors and their version counters at the call
+    rng: torch.Tensor
+    device_rng: torch.Tensor | None
+    training_pass: int  # the forward pass it was captured in
+    buffers: list[tuple[torch.Tensor, int]]  # the block's buffers and their versions when the call began
+    modes: list[tuple[nn.Module, bool]]  # each submodule's `training` (a replay in an eval forward trains)
+    valid: bool = True
+    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output leaf index -> its gradient
+
+
+class BlockInputs:
+    """Captures each block's forward call (hooks on the block modules) for `recompute`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[ShardedBlock],
+        phase: Callable[[], Phase],
+        reads_across: Callable[[ShardedBlock], bool],
+        device: torch.device,
+    ) -> None:
+        """`phase`: the scheduler's (captures happen in forward only); `reads_across`: whether a block's
+        parameters were read from outside its forward this pass, or it read others' (`BlockScheduler.reads_across`)."""
+        self.blocks = blocks
+        self._phase = phase
+        self._reads_across = reads_across
+        self._device = device
+        self._calls: dict[int, BlockCall] = {}
+        self._seen: set[int] = set()  # blocks called in the running training forward
+        self._pass = 0  # training forwards begun
+        self._handles = [model.register_forward_pre_hook(self._begin_pass)]
+        for block in blocks:
+            self._handles.append(block.module.register_forward_pre_hook(self._capture(block), with_kwargs=True))
+            self._handles.append(block.module.register_forward_hook(self._watch_outputs(block)))
+
+    def _capturing(self) -> bool:
+        return self._phase() is Phase.FORWARD and torch.is_grad_enabled() and not _autocast_on()
+
+    def _begin_pass(self, module: nn.Module, args) -> None:
+        if self._capturing():
+            self._seen.clear()
+            self._pass += 1
+
+    def _capture(self, block: ShardedBlock):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._capturing():
+                return
+            if block.index in self._seen:  # called twice: its gradient is not one call's
+                self._calls[block.index].valid = False
+                return
+            self._seen.add(block.index)
+            leaves, _ = tree_flatten((args, kwargs))
+            valid = all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves)
+            weights = self._gathered_storages()
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            valid = valid and not any(t.untyped_storage().data_ptr() in weights for t in tensors)
+            detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+            args, kwargs = torch.utils._pytree.tree_map(detach, (args, kwargs))
+            device_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
+            self._calls[block.index] = BlockCall(
+                args,
+                kwargs,
+                [(t, t._version) for t in tensors],
+                torch.get_rng_state(),
+                device_rng,
+                self._pass,
+                [(b, b._version) for b in module.buffers()],
+                [(m, m.training) for m in module.modules()],
+                valid,
+            )
+
+        return hook
+
+    def _gathered_storages(self) -> set[int]:
+        """Storages of weights gathered now: an input that is a view of them would change before a replay."""
+        return {f.full.untyped_storage().data_ptr() for b in self.blocks for f in b.flats if f.unsharded}
+
+    def _watch_outputs(self, block: ShardedBlock):
+        def hook(module: nn.Module, args, output) -> None:
+            call = self._calls.get(block.index)
+            if not self._capturing() or call is None or not call.valid or call.output_grads:
+                return
+            buffers = [id(b) for b in module.buffers()]  # the call changed the module's state (running statistics)
+            if [id(b) for b, _ in call.buffers] != buffers or any(b._version != v for b, v in call.buffers):
+                call.valid = False
+                return
+            outputs = [(i, t) for i, t in enumerate(tree_leaves(output)) if isinstance(t, torch.Tensor)]
+            outputs = [(i, t) for i, t in outputs if t.requires_grad]
+            if not outputs:
+                call.valid = False
+            for i, t in outputs:
+                t.register_hook(self._keep_grad(call, i))
+
+        return hook
+
+    @staticmethod
+    def _keep_grad(call: BlockCall, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            call.output_grads[index] = grad.detach()
+
+        return hook
+
+    def ready(self, block: ShardedBlock) -> bool:
+        """Whether `block`'s gradients, complete now (the last forward's backward ran), can be recomputed by
+        `recompute`."""
+        call = self._calls.get(block.index)
+        return (
+            call is not None
+            and call.valid
+            and call.training_pass == self._pass
+            and bool(call.output_grads)
+            and all(t._version == v for t, v in call.versions)
+            and not self._reads_across(block)
+        )
+
+    def recompute(self, block: ShardedBlock) -> list[torch.Tensor | None]:
+        """The gradients of `block.trainable` (None where a parameter got none), computed again from the
+        captured call: the caller has put the weights of that call in place and suppressed the hooks
+        (`BlockScheduler.replaying`). Raises if the inputs changed since."""
+        call = self._calls.get(block.index)
+        if call is None or not call.valid:
+            raise RuntimeError(f"block {block.name} has no forward call to recompute its gradient from")
+        for t, version in call.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"an input of block {block.name} was changed in place after its forward: its gradient cannot "
+                    "be recomputed; set 'zero_optimization.offload_optimizer.recompute_gradients' to false"
+                )
+        devices = [self._device] if call.device_rng is not None else []  # none: the CPU generator alone
+        modes = [(m, m.training) for m, _ in call.modes]
+        try:
+            for m, training in call.modes:
+                m.training = training
+            with _as_captured(), torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(call.rng)
+                if call.device_rng is not None:
+                    torch.cuda.set_rng_state(call.device_rng, self._device)
+                output = block.module(*call.args, **call.kwargs)
+                leaves = tree_leaves(output)
+                outputs = [leaves[i] for i in call.output_grads]
+                grads = torch.autograd.grad(
+                    outputs, block.trainable, list(call.output_grads.values()), allow_unused=True
+                )
+        finally:
+            for m, training in modes:
+                m.training = training
+        return list(grads)
+
+    def drop(self, block: ShardedBlock) -> None:
+        """Forget `block`'s captured call (its gradient was recomputed): its inputs' memory can go."""
+        self._calls.pop(block.index, None)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._calls.clear()
+
+
+@contextmanager
+def _as_captured() -> Iterator[None]:
+    """The autograd context of a captured call, whatever the replay runs inside (the next forward, perhaps
+    under no_grad, autocast or a checkpoint's saved-tensor hooks): grad on, no autocast, tensors saved as is."""
+    keep = (lambda t: t, lambda t: t)
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autocast("cpu", enabled=False),
+        torch.autocast("cuda", enabled=False),
+        torch.autograd.graph.saved_tensors_hooks(*keep),
+    ):
+        yield
+
+
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")

@@ -1,0 +1,271 @@
+"""Gradients recomputed for a deferred NVMe step (`offload_optimizer.recompute_gradients`), against plain PyTorch.
+
+Under a host budget, the NVMe optimizer's step with clipping is deferred into the next forward and its
+gradients would wait on NVMe. Instead backward keeps their norms, and the step runs each block's forward and
+backward again from the inputs and output gradients captured for it: the gradients never touch the disk, and
+training matches plain PyTorch. Blocks whose call cannot be repeated (called twice, state changed by the call,
+weights shared with another block, reentrant checkpointing) send their gradients to NVMe as before; a forward
+that does not repeat is caught by the norm check, never trained on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist import run_distributed
+from harness import (
+    assert_matches_plain_pytorch,
+    assert_matches_reference,
+    config,
+    placement_of,
+    rank_and_world,
+    reference_train,
+    resolved,
+    train_steps,
+)
+from toy_models import batches, make_model
+
+import infinity
+from infinity.engine.grad_replay import recompute_gradients
+from infinity.models.mlp import MLP, MLPLayer
+from infinity.shards import ShardKind
+
+STEPS = 4
+MICRO_BS = 2
+BUDGET = 256 << 20
+
+
+def _config(kind: str, nvme_path: str, *, recompute: bool = True, dtype: str = "fp32", grad_accum: int = 1) -> dict:
+    os.makedirs(nvme_path, exist_ok=True)
+    return config(
+        kind,
+        block_classes=("ScaledLayer",) if kind == "buffers" else None,
+        micro_bs=MICRO_BS,
+        grad_accum=grad_accum,
+        dtype=dtype,
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        clip=1.0,
+        nvme_path=nvme_path,
+        persistence=64,  # layer norms are persistent parameters, which the replays read
+        extra_zero={
+            "host_budget_bytes": BUDGET,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "recompute_gradients": recompute},
+        },
+    )
+
+
+def _train_counting_grad_moves(kind: str, cfg: dict, steps: int = STEPS) -> dict:
+    """`train_on_rank` (on this rank's batches), with the blocks whose gradients were written to NVMe and the
+    number of blocks replayed."""
+    rank, world = rank_and_world()
+    model = make_model(kind)
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    written: set[str] = set()
+    count = engine.moves.record
+
+    def record(event) -> None:
+        if event.key[-1] == ShardKind.GRAD.value and event.dst == "nvme":
+            written.add(event.key[0].split("#")[0])
+        count(event)
+
+    engine.moves.record = record
+    losses = train_steps(engine, batches(kind, MICRO_BS, rank=rank, world_size=world), steps)
+    state = engine.full_state_dict()  # (settles the last step: its blocks are replayed then)
+    replayed = engine.grad_replay.replayed_blocks if engine.grad_replay is not None else 0
+    blocks = [b.name for b in engine.blocks]
+    engine.close()
+    return {"losses": losses, "state": state, "written": written, "replayed": replayed, "blocks": blocks}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "gpt_checkpointed", "gpt_functional_tie"])
+def test_recomputed_gradients_never_touch_the_disk_and_train_as_plain_pytorch(tmp_path, kind):
+    """Every block's gradient is recomputed when its step runs (the blocks read persistent layer norms; with
+    non-reentrant checkpointing inside; with the tied head read through F.linear by the root): none is written
+    to NVMe, and the losses and weights are plain PyTorch's with clipping."""
+    run = _train_counting_grad_moves(kind, _config(kind, str(tmp_path)))
+    assert run["replayed"] == STEPS * len(run["blocks"])  # (the last step's, as full_state_dict settles it)
+    assert not run["written"] & set(run["blocks"])
+    assert_matches_plain_pytorch([run], kind, STEPS, MICRO_BS)
+
+
+def test_with_recompute_gradients_off_they_wait_on_nvme_and_the_weights_are_the_same(tmp_path):
+    on = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "on")))
+    off = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "off"), recompute=False))
+    assert off["replayed"] == 0 and set(off["blocks"]) <= off["written"]
+    assert on["losses"] == off["losses"]
+    for key, value in on["state"].items():
+        assert torch.equal(value, off["state"][key]), key  # the very gradients: bit for bit
+
+
+def test_a_block_with_dropout_replays_the_same_random_masks(tmp_path):
+    """The replay restores the RNG state the block's forward began from, and leaves the generator where it was:
+    a GPT with dropout trains bit for bit as it does with its gradients stored on NVMe, a validation forward in
+    eval mode between steps (where the replays then run) included."""
+
+    def dropout_gpt(path: str, recompute: bool) -> dict:
+        torch.manual_seed(0)
+        model = make_model("gpt")
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.2
+        for block in model.blocks:
+            block.attn.dropout = 0.2  # the attention's own dropout too
+        engine, _, _, _ = infinity.initialize(model=model, config=_config("gpt", path, recompute=recompute))
+        data = batches("gpt", MICRO_BS)
+        torch.manual_seed(1)
+        losses = []
+        for step in range(STEPS):
+            x, y = next(data)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if step == 1:  # a validation forward: the blocks' replays run in it, in training mode still
+                engine.eval()
+                with torch.no_grad():
+                    engine(x, y)
+                engine.train()
+        state = engine.full_state_dict()
+        replayed = engine.grad_replay.replayed_blocks if engine.grad_replay is not None else 0
+        engine.close()
+        return {"losses": losses, "state": state, "replayed": replayed}
+
+    on = dropout_gpt(str(tmp_path / "on"), True)
+    off = dropout_gpt(str(tmp_path / "off"), False)
+    assert on["replayed"] > 0 and off["replayed"] == 0
+    assert on["losses"] == off["losses"]
+    for key, value in on["state"].items():
+        assert torch.equal(value, off["state"][key]), key
+
+
+@pytest.mark.parametrize("kind", ["reused", "buffers", "gpt_reentrant"])
+def test_blocks_whose_call_cannot_be_repeated_send_their_gradients_to_nvme_and_still_train_exactly(tmp_path, kind):
+    """A block called twice in one forward, blocks whose forward updates a running statistic, and blocks under
+    reentrant checkpointing (their forward runs without autograd) are not replayed: their gradients wait on
+    NVMe, and training matches plain PyTorch."""
+    run = _train_counting_grad_moves(kind, _config(kind, str(tmp_path)))
+    not_replayable = {
+        "reused": {"shared"},
+        "buffers": {"layers.0", "layers.1"},
+        "gpt_reentrant": set(run["blocks"]),
+    }[kind]
+    assert not_replayable <= run["written"]
+    assert run["replayed"] == (STEPS * (len(run["blocks"]) - len(not_replayable)))
+    assert_matches_plain_pytorch([run], kind, STEPS, MICRO_BS)
+
+
+class _ReadsHead(MLPLayer):
+    """A block whose forward also reads the head's weight (a root parameter), held outside its submodules."""
+
+    def __init__(self, owner: list) -> None:
+        super().__init__(24, 24)
+        self._owner = owner  # a plain list: the head is not a submodule of this block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.1 * torch.nn.functional.linear(x, self._owner[0].weight).sum(-1, keepdim=True)
+
+
+def _mlp_reading_the_head() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MLP(in_features=16, hidden=24, out_features=8, n_layers=3)
+    model.layers[1] = _ReadsHead([model.head])
+    return model
+
+
+def test_a_block_that_reads_a_root_parameter_is_not_replayed_and_trains_exactly(tmp_path):
+    """The root's weights are stepped before any block's replay: a block that read one (through
+    `param_access`) sends its gradient to NVMe instead, and the run is plain PyTorch's."""
+    cfg = _config("mlp", str(tmp_path))
+    engine, _, _, _ = infinity.initialize(model=_mlp_reading_the_head(), config=cfg)
+    losses = train_steps(engine, batches("mlp", MICRO_BS), STEPS)
+    state = engine.full_state_dict()
+    replayed = engine.grad_replay.replayed_blocks
+    engine.close()
+    assert replayed == STEPS * 2  # layers.0 and layers.2
+    ref = reference_train(_mlp_reading_the_head, batches("mlp", MICRO_BS), STEPS)
+    assert_matches_reference([{"losses": losses, "state": state}], ref.losses, ref.state)
+
+
+class _DriftingScale(torch.nn.Module):
+    """Multiplies by a factor that grows by one each call: a forward that does not repeat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * (1.0 + 0.5 * self.calls)
+
+
+def test_a_forward_that_does_not_repeat_stops_the_step_with_a_message_naming_the_setting(tmp_path):
+    model = make_model("gpt")
+    model.blocks[1].mlp.c_proj = torch.nn.Sequential(model.blocks[1].mlp.c_proj, _DriftingScale())
+    engine, _, _, _ = infinity.initialize(model=model, config=_config("gpt", str(tmp_path)))
+    data = batches("gpt", MICRO_BS)
+    x, y = next(data)
+    _, loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    x, y = next(data)
+    with pytest.raises(RuntimeError, match="recompute_gradients") as err:
+        engine(x, y)
+    assert "blocks.1" in str(err.value) and "squared norm" in str(err.value)
+    engine.close()
+
+
+def _two_ranks(kind: str, nvme_path: str) -> dict:
+    return _train_counting_grad_moves(kind, _config(kind, f"{nvme_path}/rank{torch.distributed.get_rank()}"))
+
+
+def test_on_two_ranks_replays_gather_the_old_weights_and_reduce_the_recomputed_gradients(tmp_path):
+    """Each rank replays the same blocks in the same order: the old weights are all-gathered, the recomputed
+    gradients reduce-scattered, and the result is plain PyTorch's on the global batch."""
+    results = run_distributed(_two_ranks, 2, "gpt", str(tmp_path), timeout_s=180)
+    for r in results:
+        assert r["replayed"] == STEPS * len(r["blocks"]) and not r["written"] & set(r["blocks"])
+    assert_matches_plain_pytorch(results, "gpt", STEPS, MICRO_BS)
+
+
+def test_bf16_recomputed_gradients_are_the_ones_backward_gave(tmp_path):
+    """In bf16 a replay computes in bf16 from the same bf16 weights and hands the gradient over the same way:
+    the run is bit for bit the one whose gradients waited on NVMe (and within bf16's tolerance of PyTorch)."""
+    on = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "on"), dtype="bf16"))
+    off = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "off"), dtype="bf16", recompute=False))
+    assert on["replayed"] > 0
+    assert on["losses"] == off["losses"]
+    for key, value in on["state"].items():
+        assert torch.equal(value, off["state"][key]), key
+    assert_matches_plain_pytorch([on], "gpt", STEPS, MICRO_BS, dtype="bf16")
+
+
+def test_gradients_are_recomputed_only_where_they_would_wait_on_nvme_for_a_deferred_step(tmp_path):
+    def on(cfg: dict, grads_in_host: bool = False) -> bool:
+        return recompute_gradients(resolved(cfg), placement_of(cfg), grads_in_host)
+
+    path = str(tmp_path)
+    assert on(_config("gpt", path))
+    assert not on(_config("gpt", path), grads_in_host=True)  # no budget: they wait in host memory
+    assert not on(_config("gpt", path, recompute=False))
+    assert not on(_config("gpt", path, grad_accum=2))  # a sum of micro-batches is not one call's
+    unclipped = _config("gpt", path)
+    unclipped["gradient_clipping"] = 0.0  # stepped as they arrive in backward
+    assert not on(unclipped)
+    cpu = _config("gpt", path)
+    cpu["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert not on(cpu)
+
+
+@pytest.mark.parametrize("param", ["cpu", "none"])
+def test_with_parameters_in_memory_the_replay_reads_them_before_the_owed_step_updates_them(tmp_path, param):
+    """Optimizer on NVMe, parameters in host memory ("cpu") or resident where the compute reads them ("none",
+    one rank: stepped in place just before their block runs): each replay reads the weights its step starts
+    from, and training matches plain PyTorch."""
+    cfg = _config("gpt", str(tmp_path))
+    cfg["zero_optimization"]["offload_param"] = {"device": param}
+    run = _train_counting_grad_moves("gpt", cfg)
+    assert run["replayed"] == STEPS * len(run["blocks"])
+    assert_matches_plain_pytorch([run], "gpt", STEPS, MICRO_BS)
