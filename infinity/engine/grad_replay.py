@@ -13,9 +13,9 @@ disk's round trip, where the disk, not the compute, sets the step time.
 It applies with one micro-batch per step and where the gradients would wait on NVMe (`recompute_gradients`).
 A block's forward may read the persistent parameters (small ones, gathered for the whole pass), which the
 step updates before any block: their weights as backward saw them are copied when the step is deferred
-(`keep_persistent_weights`, a few bytes per block) and put in place for each replay. A block that holds
-parameters of neither kind, or whose call cannot be replayed (`BlockInputs.ready`), sends its gradients the
-usual way.
+(`keep_persistent_weights`, a few bytes per block) and put in place for each replay. A block whose module
+holds parameters of another kind (another block's, the root's), or whose call cannot be replayed
+(`BlockInputs.ready`), sends its gradients the usual way.
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ class GradientReplay:
         self.prof = prof
         self.persistent = persistent
         self._block_of: dict[FlatParam, ShardedBlock] = {f: b for b in blocks for f in b.flats}
-        ours = {id(p) for f in persistent.flats for p in f.params}
-        self._self_contained = {  # the block's own parameters and persistent ones are all its forward holds
+        persistent_ids = {id(p) for f in persistent.flats for p in f.params}
+        self._self_contained = {  # its module holds its own flats' parameters and persistent ones, nothing else
             b.index
             for b in blocks
-            if {id(p) for p in b.module.parameters()} <= ours | {id(p) for f in b.flats for p in f.params}
+            if {id(p) for p in b.module.parameters()} <= persistent_ids | {id(p) for f in b.flats for p in f.params}
         }
         self._persistent_weights: dict[FlatParam, torch.Tensor] = {}
         self.replayed_blocks = 0  # blocks whose gradients were recomputed (a counter)

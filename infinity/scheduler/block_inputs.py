@@ -7,9 +7,9 @@ backward, the gradient each of its outputs received. The block can be replayed (
 gradient came from that call alone and the call can be repeated: no other code read its parameters and
 it read no other block's or the root's (`param_access`), no input is a view of gathered weights, no input
 was changed in place since, the call changed no buffer of the block (running statistics), and it was not
-called again. Running its forward again from
-those inputs with the same weights and RNG, and backward from those output gradients, gives the same
-parameter gradients its backward gave: the technique activation checkpointing relies on.
+called again. Running its forward again from those inputs with the same weights, RNG state and training
+modes, and backward from those output gradients, gives the parameter gradients its backward gave: the
+technique activation checkpointing relies on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.scheduler.gather_window import Phase
@@ -91,8 +91,7 @@ class BlockInputs:
             weights = self._gathered_storages()
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             valid = valid and not any(t.untyped_storage().data_ptr() in weights for t in tensors)
-            detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
-            args, kwargs = torch.utils._pytree.tree_map(detach, (args, kwargs))
+            args, kwargs = tree_map(_detached, (args, kwargs))
             device_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
             self._calls[block.index] = BlockCall(
                 args,
@@ -115,7 +114,7 @@ class BlockInputs:
     def _watch_outputs(self, block: ShardedBlock):
         def hook(module: nn.Module, args, output) -> None:
             call = self._calls.get(block.index)
-            if not self._capturing() or call is None or not call.valid or call.output_grads:
+            if not self._capturing() or call is None or not call.valid:
                 return
             buffers = [id(b) for b in module.buffers()]  # the call changed the module's state (running statistics)
             if [id(b) for b, _ in call.buffers] != buffers or any(b._version != v for b, v in call.buffers):
@@ -207,6 +206,10 @@ def _as_captured() -> Iterator[None]:
         torch.autograd.graph.saved_tensors_hooks(*keep),
     ):
         yield
+
+
+def _detached(x: object) -> object:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _autocast_on() -> bool:
