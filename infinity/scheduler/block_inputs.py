@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.scheduler.gather_window import Phase
@@ -112,20 +112,25 @@ class BlockInputs:
         return {f.full.untyped_storage().data_ptr() for b in self.blocks for f in b.flats if f.unsharded}
 
     def _watch_outputs(self, block: ShardedBlock):
-        def hook(module: nn.Module, args, output) -> None:
+        def hook(module: nn.Module, args, output) -> object:
             call = self._calls.get(block.index)
             if not self._capturing() or call is None or not call.valid:
-                return
+                return None
             buffers = [id(b) for b in module.buffers()]  # the call changed the module's state (running statistics)
             if [id(b) for b, _ in call.buffers] != buffers or any(b._version != v for b, v in call.buffers):
                 call.valid = False
-                return
-            outputs = [(i, t) for i, t in enumerate(tree_leaves(output)) if isinstance(t, torch.Tensor)]
-            outputs = [(i, t) for i, t in outputs if t.requires_grad]
-            if not outputs:
+                return None
+            # An alias of each output goes on, so that its hook sees the gradient from outside the block only:
+            # an output the block also uses itself (T5's position bias) gets the block's own part in its replay.
+            leaves, spec = tree_flatten(output)
+            aliases = [t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in leaves]
+            grads_from_outside = [(i, t) for i, t in enumerate(aliases) if t is not leaves[i]]
+            if not grads_from_outside:
                 call.valid = False
-            for i, t in outputs:
+                return None
+            for i, t in grads_from_outside:
                 t.register_hook(self._keep_grad(call, i))
+            return tree_unflatten(aliases, spec)
 
         return hook
 
