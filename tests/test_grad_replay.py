@@ -274,13 +274,13 @@ def test_with_parameters_in_memory_the_replay_reads_them_before_the_owed_step_up
 @pytest.mark.parametrize(
     "arch,use_cache", [("llama", False), ("gpt2", False), ("t5", False), ("bert", None), ("llama", True)]
 )
-def test_transformers_models_train_as_plain_pytorch_with_their_gradients_recomputed(tmp_path, arch, use_cache):
+def test_transformers_models_train_as_plain_pytorch_with_their_gradients_recomputed(tmp_path, capsys, arch, use_cache):
     """Tiny transformers models (zoo_cases: built from config, no download) under a host budget: the layers'
     calls (keyword arguments, rotary position tensors, masks, T5's position bias, which its first layer also
     uses itself, and the encoder's states) are captured and replayed, and training matches plain PyTorch with
     global-norm clipping. With `use_cache` on, the layers write into a key/value cache object, a call that
-    cannot be repeated (as T5's decoder layers always do): their gradients wait on NVMe instead, and training
-    still matches."""
+    cannot be repeated (as T5's decoder layers always do): their gradients wait on NVMe instead, the run says
+    why once, and training still matches."""
     pytest.importorskip("transformers")
     from zoo_cases import build_zoo_model, plain_zoo, zoo_batches, zoo_config
 
@@ -306,5 +306,8 @@ def test_transformers_models_train_as_plain_pytorch_with_their_gradients_recompu
     # T5's decoder layers are handed a cache object even without use_cache: only its encoder's replay
     replayable = 0 if use_cache else 2 if arch == "t5" else blocks
     assert replayed == 3 * replayable
+    said = capsys.readouterr().err  # why, once, where layers fall back
+    assert ("recompute_gradients): it is handed objects a call may change" in said) == (replayable < blocks)
+    assert said.count("wait on NVMe for the step, not recomputed") <= 1
     ref_losses, ref_state = plain_zoo(arch, 3, MICRO_BS)
     assert_matches_reference([{"losses": losses, "state": state}], ref_losses, ref_state)

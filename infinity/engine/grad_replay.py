@@ -20,6 +20,7 @@ holds parameters of another kind (another block's, the root's), or whose call ca
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,10 +82,31 @@ class GradientReplay:
         }
         self._persistent_weights: dict[FlatParam, torch.Tensor] = {}
         self.replayed_blocks = 0  # blocks whose gradients were recomputed (a counter)
+        self._noticed: set[str] = set()
 
     def accepts(self, flat: FlatParam) -> bool:
         block = self._block_of.get(flat)
-        return block is not None and block.index in self._self_contained and self.inputs.ready(block)
+        if block is None:
+            return False
+        if block.index in self._self_contained and self.inputs.ready(block):
+            return True
+        self._notice(block)
+        return False
+
+    def _notice(self, block: ShardedBlock) -> None:
+        """Say once per reason (rank 0) why blocks' gradients wait on NVMe instead of being recomputed."""
+        why = self.inputs.why_not(block)
+        if block.index not in self._self_contained:
+            why = "its module holds parameters of another block or of the root"
+        if why is None or why in self._noticed:
+            return
+        self._noticed.add(why)
+        if self.shards.comm.rank == 0:
+            print(
+                f"infinity: the gradients of {block.name} (and of blocks like it) wait on NVMe for the step, not "
+                f"recomputed (offload_optimizer.recompute_gradients): {why}",
+                file=sys.stderr,
+            )
 
     def keep_persistent_weights(self) -> None:
         """The step is about to be deferred: copy the persistent parameters' weights (gathered since the forward)

@@ -41,7 +41,7 @@ class BlockCall:
     training_pass: int  # the forward pass it was captured in
     buffers: list[tuple[torch.Tensor, int]]  # the block's buffers and their versions when the call began
     modes: list[tuple[nn.Module, bool]]  # each submodule's `training` (a replay in an eval forward trains)
-    valid: bool = True
+    why_not: str | None = None  # why the call cannot be repeated (None: it can, as far as the capture saw)
     output_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output leaf index -> its gradient
 
 
@@ -83,14 +83,16 @@ class BlockInputs:
             if not self._capturing():
                 return
             if block.index in self._seen:  # called twice: its gradient is not one call's
-                self._calls[block.index].valid = False
+                self._calls[block.index].why_not = "it is called more than once in a forward"
                 return
             self._seen.add(block.index)
             leaves, _ = tree_flatten((args, kwargs))
-            valid = all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves)
             weights = self._gathered_storages()
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            valid = valid and not any(t.untyped_storage().data_ptr() in weights for t in tensors)
+            others = sorted({type(x).__name__ for x in leaves if not isinstance(x, (torch.Tensor, *_PLAIN))})
+            why_not = f"it is handed objects a call may change ({', '.join(others)})" if others else None
+            if any(t.untyped_storage().data_ptr() in weights for t in tensors):
+                why_not = "an input is a view of gathered weights"
             args, kwargs = tree_map(_detached, (args, kwargs))
             device_rng = torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None
             self._calls[block.index] = BlockCall(
@@ -102,7 +104,7 @@ class BlockInputs:
                 self._pass,
                 [(b, b._version) for b in module.buffers()],
                 [(m, m.training) for m in module.modules()],
-                valid,
+                why_not,
             )
 
         return hook
@@ -114,11 +116,11 @@ class BlockInputs:
     def _watch_outputs(self, block: ShardedBlock):
         def hook(module: nn.Module, args, output) -> object:
             call = self._calls.get(block.index)
-            if not self._capturing() or call is None or not call.valid:
+            if not self._capturing() or call is None or call.why_not is not None:
                 return None
             buffers = [id(b) for b in module.buffers()]  # the call changed the module's state (running statistics)
             if [id(b) for b, _ in call.buffers] != buffers or any(b._version != v for b, v in call.buffers):
-                call.valid = False
+                call.why_not = "its forward changes a buffer of the block (running statistics)"
                 return None
             # An alias of each output goes on, so that its hook sees the gradient from outside the block only:
             # an output the block also uses itself (T5's position bias) gets the block's own part in its replay.
@@ -126,7 +128,7 @@ class BlockInputs:
             aliases = [t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in leaves]
             grads_from_outside = [(i, t) for i, t in enumerate(aliases) if t is not leaves[i]]
             if not grads_from_outside:
-                call.valid = False
+                call.why_not = "no output requires a gradient (run without autograd, as reentrant checkpointing does)"
                 return None
             for i, t in grads_from_outside:
                 t.register_hook(self._keep_grad(call, i))
@@ -147,7 +149,7 @@ class BlockInputs:
         call = self._calls.get(block.index)
         return (
             call is not None
-            and call.valid
+            and call.why_not is None
             and call.training_pass == self._pass
             and bool(call.output_grads)
             and all(t._version == v for t, v in call.versions)
@@ -159,7 +161,7 @@ class BlockInputs:
         captured call: the caller has put the weights of that call in place and suppressed the hooks
         (`BlockScheduler.replaying`). Raises if the inputs changed since."""
         call = self._calls.get(block.index)
-        if call is None or not call.valid:
+        if call is None or call.why_not is not None:
             raise RuntimeError(f"block {block.name} has no forward call to recompute its gradient from")
         for t, version in call.versions:
             if t._version != version:
@@ -186,6 +188,11 @@ class BlockInputs:
             for m, training in modes:
                 m.training = training
         return list(grads)
+
+    def why_not(self, block: ShardedBlock) -> str | None:
+        """Why the block's last captured call cannot be repeated, where the capture found a reason."""
+        call = self._calls.get(block.index)
+        return call.why_not if call is not None else None
 
     def drop(self, block: ShardedBlock) -> None:
         """Forget `block`'s captured call (its gradient was recomputed): its inputs' memory can go."""
