@@ -118,7 +118,8 @@ class GradientReplay:
         and hand its gradients over (to `ShardStore.accumulate_grad`, which holds them for the step)."""
         block = self._block_of[flat]
         start = time.perf_counter_ns()
-        self.scheduler.issue_queued_gathers()  # this replay's collectives come after them on every rank
+        if self.shards.comm.world_size > 1:  # this replay's collectives come after them on every rank
+            self.scheduler.issue_queued_gathers()
         fetched: list[FlatParam] = []
         gathered: list[FlatParam] = []
         try:

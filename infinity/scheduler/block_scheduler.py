@@ -232,8 +232,9 @@ class BlockScheduler(GatherWindow):
         if block.resident:
             self._settle_resident(block, stall=self.phase is not Phase.IDLE)
         if block is self.root or block is self.persistent:  # gathered for the whole pass: nothing to do
-            if block is self.root and self.phase is Phase.FORWARD and self._running[-1:] != [self.root]:
-                self._external.root_readers.add(self._running[-1])
+            reader = self._running[-1] if self._running else None
+            if block is self.root and self.phase is Phase.FORWARD and reader not in (None, self.root):
+                self._external.root_readers.add(reader)
             return
         if self.phase is Phase.IDLE or block in self._running:
             return
@@ -283,7 +284,7 @@ class BlockScheduler(GatherWindow):
 
     def _grad_hook(self, block: ShardedBlock):
         def hook(param: torch.Tensor) -> None:
-            if self.phase is Phase.REPLAY:  # (a replay takes its gradients with autograd.grad: never called)
+            if self.phase is Phase.REPLAY:  # a replay's gradients are not backward's (autograd.grad stores none)
                 return
             block.grads_ready += 1
             if block.grads_ready == len(block.trainable):
