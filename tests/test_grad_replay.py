@@ -311,3 +311,21 @@ def test_transformers_models_train_as_plain_pytorch_with_their_gradients_recompu
     assert said.count("wait on NVMe for the step, not recomputed") <= 1
     ref_losses, ref_state = plain_zoo(arch, 3, MICRO_BS)
     assert_matches_reference([{"losses": losses, "state": state}], ref_losses, ref_state)
+
+
+def test_fp16_with_loss_scaling_and_skipped_steps_recomputes_the_scaled_gradients(tmp_path):
+    """fp16 with dynamic loss scaling, no clipping (the overflow check needs the norm, so the step is deferred):
+    a replay recomputes the scaled gradient backward gave, a skipped step (overflow at the first scale) owes no
+    replay, and the run is bit for bit the one whose gradients waited on NVMe."""
+
+    def run(path: str, recompute: bool) -> dict:
+        cfg = _config("gpt", path, recompute=recompute)
+        cfg["gradient_clipping"] = 0.0
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 3, "hysteresis": 1}
+        return _train_counting_grad_moves("gpt", cfg, steps=6)
+
+    on, off = run(str(tmp_path / "on"), True), run(str(tmp_path / "off"), False)
+    assert on["replayed"] == 4 * len(on["blocks"])  # the first two steps overflow at 2**16 and 2**15: skipped
+    assert on["losses"] == off["losses"]
+    for key, value in on["state"].items():
+        assert torch.equal(value, off["state"][key]), key
