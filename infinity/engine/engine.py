@@ -55,7 +55,6 @@ from infinity.profiler.null_writer import NullTraceWriter
 from infinity.profiler.wall_clock import WallClock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
-from infinity.scheduler.block_inputs import BlockInputs
 from infinity.scheduler.unused_params import UnusedParameterCheck
 from infinity.shards import MallocTuning, ShardStore, resolve_placement
 from infinity.storage import MoveCounter, Tier
@@ -182,23 +181,9 @@ class InfinityEngine(EngineStateIO):
             prof=self.prof,
         )
         self.grad_replay: GradientReplay | None = None
-        self._block_inputs: BlockInputs | None = None
         if recompute:  # its hooks after the scheduler's: a block's call is captured once it is gathered
-            scheduler = self.scheduler
-            self._block_inputs = BlockInputs(
-                model, self.blocks, lambda: scheduler.phase, scheduler.reads_across, device
-            )
-            self.grad_replay = GradientReplay(
-                self.blocks,
-                self.persistent,
-                self._block_inputs,
-                scheduler,
-                self.reducer,
-                self.optimizer,
-                self.shards,
-                self.prof,
-            )
-            self.shards.grad_replay = self.grad_replay
+            parts = (self.blocks, self.persistent, self.scheduler, self.reducer, self.optimizer, self.shards)
+            self.shards.grad_replay = self.grad_replay = GradientReplay(model, *parts, self.prof)
         self.moves.reset()  # bytes_moved counts training's moves, not the shards' first placement
         # freed buffers go back to the OS at once: keep one block's gradients' worth for reuse (host_memory);
         # last, so that an engine whose set-up fails holds nothing
@@ -374,8 +359,8 @@ class InfinityEngine(EngineStateIO):
             self.sharing.wait_all()  # stages 1-2: the module holds the trained weights after close
         finally:
             self.scheduler.remove_hooks()
-            if self._block_inputs is not None:
-                self._block_inputs.remove_hooks()
+            if self.grad_replay is not None:
+                self.grad_replay.remove_hooks()
             if self._unused_check is not None:
                 self._unused_check.remove()
             self.shards.close()

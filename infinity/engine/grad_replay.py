@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from infinity.config import InfinityConfig
 from infinity.engine.grad_reduction import GradReducer
@@ -57,16 +58,17 @@ class GradientReplay:
 
     def __init__(
         self,
+        model: nn.Module,
         blocks: list[ShardedBlock],
         persistent: ShardedBlock,
-        inputs: BlockInputs,
         scheduler: BlockScheduler,
         reducer: GradReducer,
         optimizer: ShardedAdam,
         shards: ShardStore,
         prof,
     ) -> None:
-        self.inputs = inputs
+        device = shards.placement.compute_device
+        self.inputs = BlockInputs(model, blocks, lambda: scheduler.phase, scheduler.reads_across, device)
         self.scheduler = scheduler
         self.reducer = reducer
         self.optimizer = optimizer
@@ -152,9 +154,12 @@ class GradientReplay:
                 self.shards.release_unsettled_param(f)
         self.inputs.drop(block)
         self.replayed_blocks += 1
-        if not self._block_of.keys() & self.shards.replays_owed():  # the last one: the copies can go
+        if not self.shards.replays_owed():  # the last one: the copies can go
             self._persistent_weights = {}
         self.prof.compute(f"{block.name} (gradient replay)", start, time.perf_counter_ns())
+
+    def remove_hooks(self) -> None:
+        self.inputs.remove_hooks()
 
     @contextmanager
     def _persistent_in_place(self) -> Iterator[None]:

@@ -233,9 +233,9 @@ class GradientAccumulators:
             if flat in self._replay_owed:
                 raise RuntimeError(f"the gradient replay of {flat.name}'s block did not recompute {flat.name}")
 
-    def replays_owed(self) -> set[FlatParam]:
-        """The flats whose gradient for the step owed is still to be recomputed (it is nowhere now)."""
-        return set(self._replay_owed)
+    def replays_owed(self) -> bool:
+        """Some flat's gradient for the step owed is still to be recomputed (it is nowhere now)."""
+        return bool(self._replay_owed)
 
     def _hold_replayed_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """The recomputed gradient of `flat` (host, `placement.grad_dtype`), held for its step once its squared
