@@ -3,12 +3,13 @@
 Where the NVMe optimizer's step waits for the global gradient norm (clipping, fp16's overflow check) or a
 client optimizer's hyper-parameters, it is deferred into the next forward, and every gradient waits for it:
 under a host budget on NVMe, written in backward and read back by the step (8 bytes per fp32 parameter).
-Instead, backward keeps each block's gradient norm only (`ShardStore`), and `BlockInputs` keeps what the
-block's forward was given and what its outputs' gradient was. When the step reaches the block, its forward
-and backward run again from those, on the weights of the step before (the shards the step is about to
-update), and the gradients are reduced and handed to the shard store as backward handed them: the same
-bytes, verified against the norm backward gave. One more forward and backward of each block replaces the
-disk's round trip, where the disk, not the compute, sets the step time.
+Instead, backward keeps each block's gradient norm only (`ShardStore`, once a trial step found the recomputed
+gradients equal to backward's), and `BlockInputs` keeps what the block's forward was given and what its
+outputs' gradient was. When the step reaches the block, its forward and backward run again from those, on the
+weights of the step before (the shards the step is about to update), and the gradients are reduced and handed
+to the shard store as backward handed them: the same bytes, verified against the norm backward gave. One more
+forward and backward of each block replaces the disk's round trip, where the disk, not the compute, sets the
+step time.
 
 It applies with one micro-batch per step and where the gradients would wait on NVMe (`recompute_gradients`).
 A block's forward may read the persistent parameters (small ones, gathered for the whole pass), which the
@@ -83,6 +84,7 @@ class GradientReplay:
             if {id(p) for p in b.module.parameters()} <= persistent_ids | {id(p) for f in b.flats for p in f.params}
         }
         self._persistent_weights: dict[FlatParam, torch.Tensor] = {}
+        self.rejected: dict[str, str] = {}  # blocks whose trial failed (`reject`), by name: why
         self.replayed_blocks = 0  # blocks whose gradients were recomputed (a counter)
         self._noticed: set[str] = set()
 
@@ -90,16 +92,23 @@ class GradientReplay:
         block = self._block_of.get(flat)
         if block is None:
             return False
-        if block.index in self._self_contained and self.inputs.ready(block):
+        if block.index in self._self_contained and block.name not in self.rejected and self.inputs.ready(block):
             return True
         self._notice(block)
         return False
+
+    def reject(self, flat: FlatParam, why: str) -> None:
+        block = self._block_of[flat]
+        self.rejected.setdefault(block.name, why)
+        self._notice(block)
 
     def _notice(self, block: ShardedBlock) -> None:
         """Say once per reason (rank 0) why blocks' gradients wait on NVMe instead of being recomputed."""
         why = self.inputs.why_not(block)
         if block.index not in self._self_contained:
             why = "its module holds parameters of another block or of the root"
+        if block.name in self.rejected:
+            why = self.rejected[block.name]
         if why is None or why in self._noticed:
             return
         self._noticed.add(why)

@@ -14,6 +14,12 @@ Where a `GradReplay` accepts a flat (its block's gradient can be computed again 
 runs), only the gradient's norm is kept: the step asks for the gradient again (`prepare_grad`), and the
 recomputed one, handed over as backward's was, is held once its norm matches the one kept, so it neither waits on
 NVMe nor in host memory through the step boundary.
+
+A flat is trusted to that only after a trial: the first time it is accepted, its gradient goes the usual way
+as well, and its step recomputes it and compares the two element by element. Equal (to rounding) on every
+rank, later steps recompute it alone; otherwise the replay rejects its block for the rest of the run and the
+step takes the gradient backward gave. A forward that does not repeat thus costs one step's gradient traffic,
+not the run; one that stops repeating later is caught by the norm check, which stops the step.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from infinity.storage import ALIGN, Tier
 
 GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
 REPLAY_NORM_RTOL = 1e-4  # a recomputed gradient's squared norm against backward's: rounding, not a different gradient
+REPLAY_TRIAL_RTOL = 1e-4  # a trial's |recomputed - backward's| / |backward's|: rounding (atomics on a GPU), not a bug
+_TRIAL_CHUNK = 1 << 20  # elements compared at once (no whole-shard temporary)
 
 
 class GradReplay(Protocol):
@@ -42,6 +50,9 @@ class GradReplay(Protocol):
 
     def replay(self, flat: FlatParam) -> None:
         """Recompute the gradients of `flat`'s block and hand them over as backward did (`accumulate_grad`)."""
+
+    def reject(self, flat: FlatParam, why: str) -> None:
+        """`flat`'s recomputed gradient was not backward's: accept no flat of its block again."""
 
 
 class GradientAccumulators:
@@ -76,7 +87,7 @@ class GradientAccumulators:
     def _settle_before_grad(self, flat: FlatParam) -> None:
         """A deferred step still reads the last step's gradient: settle it before a new one arrives, unless the
         arriving one is that gradient, recomputed for the step (`prepare_grad`)."""
-        if flat not in self._replay_owed:
+        if flat not in self._replay_owed and flat not in self._replay_trials:
             self.settle(flat)
 
     def _land_grads(self) -> None:
@@ -111,9 +122,14 @@ class GradientAccumulators:
         if flat in self._replay_owed:  # the gradient recomputed for its step, arriving the way backward's did
             self._hold_replayed_grad(flat, grad)
             return
-        if final and not record.has_grad and self.grad_replay is not None and self.grad_replay.accepts(flat):
-            self._owe_replay(flat, grad)
+        if flat in self._replay_trials:  # recomputed for its trial: compared with the one kept, then dropped
+            self._compare_trial(flat, grad)
             return
+        if final and not record.has_grad and self.grad_replay is not None and self.grad_replay.accepts(flat):
+            if flat in self._replay_trusted:
+                self._owe_replay(flat, grad)
+                return
+            self._replay_trials[flat] = None  # kept the usual way below, and recomputed at its step to compare
         held = self._held_grads.get(flat)
         if held is not None:  # an earlier micro-batch's sum, in host memory
             held.add_(grad)
@@ -212,6 +228,8 @@ class GradientAccumulators:
             self._take_held_grad(flat)
         for flat in [f for f in self._replay_owed if not self.owes(f)]:
             del self._replay_owed[flat]
+        for flat in [f for f in self._replay_trials if not self.owes(f)]:  # a skipped step's (fp16 overflow)
+            del self._replay_trials[flat]
 
     # -- gradients recomputed for their step ---------------------------------------------------------
 
@@ -226,16 +244,19 @@ class GradientAccumulators:
             self.tiers.drop(key)
 
     def prepare_grad(self, flat: FlatParam) -> None:
-        """Have `flat`'s gradient in memory for its step if it is to be recomputed (`GradReplay.replay`)."""
+        """Have `flat`'s gradient in memory for its step if it is to be recomputed (`GradReplay.replay`); on
+        its trial, recompute it and compare (the step then takes backward's, kept the usual way)."""
         if flat in self._replay_owed and flat not in self._held_grads:
             self.grad_replay.replay(flat)
             self._land_grads()
             if flat in self._replay_owed:
                 raise RuntimeError(f"the gradient replay of {flat.name}'s block did not recompute {flat.name}")
+        elif flat in self._replay_trials:
+            self._run_trial(flat)
 
     def replays_owed(self) -> bool:
-        """Some flat's gradient for the step owed is still to be recomputed (it is nowhere now)."""
-        return bool(self._replay_owed)
+        """Some flat's gradient for the step owed is still to be recomputed (for the step, or its trial)."""
+        return bool(self._replay_owed) or any(error is None for error in self._replay_trials.values())
 
     def _hold_replayed_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """The recomputed gradient of `flat` (host, `placement.grad_dtype`), held for its step once its squared
@@ -252,6 +273,41 @@ class GradientAccumulators:
         if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size() + 2 * ALIGN:  # a view (stage 1)
             grad = self.comm.buffers.take(grad.numel(), grad.dtype, grad.device).copy_(grad)
         self._held_grads[flat] = grad
+
+    def _run_trial(self, flat: FlatParam) -> None:
+        """Recompute `flat`'s block's gradients and compare each trial flat's with backward's: trusted where
+        they agree on every rank, its block rejected where not (ranks decide alike: a replay's collectives
+        run on all of them or none)."""
+        self.finish_grad_writes()  # backward's gradients are read back to compare
+        self.grad_replay.replay(flat)
+        self._land_grads()
+        compared = [f for f, error in self._replay_trials.items() if error is not None]
+        if flat not in compared:
+            raise RuntimeError(f"the gradient replay of {flat.name}'s block did not recompute {flat.name}")
+        errors = torch.tensor([self._replay_trials.pop(f) for f in compared], dtype=torch.float64)
+        errors = self.comm.all_reduce(errors.to(self.comm.device), "gradient replay trial", op="max").tolist()
+        for f, error in zip(compared, errors, strict=True):
+            if error <= REPLAY_TRIAL_RTOL:
+                self._replay_trusted.add(f)
+            else:
+                why = f"its gradient recomputed on trial differed from backward's (relative error {error:.3g})"
+                self.grad_replay.reject(f, why)
+
+    def _compare_trial(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """Note how far `flat`'s recomputed gradient is from backward's (held, or read back from NVMe)."""
+        kept = self._held_grads.get(flat)
+        key = self.key(flat, ShardKind.GRAD)
+        if kept is None:
+            kept = self.tiers.fetch(key, Tier.HOST).wait()
+        try:
+            diff_sq = sum(
+                float((a.to(torch.float32) - b).square_().sum(dtype=torch.float64))
+                for a, b in zip(grad.split(_TRIAL_CHUNK), kept.split(_TRIAL_CHUNK), strict=True)
+            )
+            self._replay_trials[flat] = math.sqrt(diff_sq) / max(math.sqrt(norm_sq(kept)), 1e-30)
+        finally:
+            if flat not in self._held_grads:
+                self.tiers.release(key, Tier.HOST)  # (stays cached for the step, which reads it next)
 
     # -- gradients held in host memory -------------------------------------------------------------
 

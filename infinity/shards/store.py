@@ -72,6 +72,8 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         self._held_grads: dict[FlatParam, torch.Tensor] = {}  # gradient sums kept in host memory, not on NVMe
         self.grad_replay: GradReplay | None = None  # recomputes gradients for deferred steps (the engine sets it)
         self._replay_owed: dict[FlatParam, float] = {}  # flats whose gradient is to be recomputed: its norm^2
+        self._replay_trials: dict[FlatParam, float | None] = {}  # recomputed to compare: relative error once known
+        self._replay_trusted: set[FlatParam] = set()  # their trial matched: recomputed alone from then on
         self._owed: dict[FlatParam, Callable[[FlatParam], None]] = {}  # updates not yet applied
         self.crossing = DeviceHostCopies(tiers.copies, placement.compute_dtype)
         self._grads_crossing: deque[tuple[FlatParam, bool, StagedCopy]] = deque()  # copies to the host in flight
