@@ -133,6 +133,7 @@ class GradientReplay:
             self.scheduler.issue_queued_gathers()
         fetched: list[FlatParam] = []
         gathered: list[FlatParam] = []
+        self.shards.prefetch_unsettled([f for f in block.flats if not f.unsharded])
         try:
             for f in block.flats:
                 if f.unsharded:  # resident: its buffer holds the weights until the step writes them

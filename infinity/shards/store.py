@@ -316,6 +316,14 @@ class ShardStore(GradientAccumulators, OptimizerLending):
             self.param_bytes_fetched += flat.shard_numel * self.placement.compute_dtype.itemsize
         return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from).wait()
 
+    def prefetch_unsettled(self, flats: list[FlatParam]) -> None:
+        """Start reading what a gradient replay of `flats` reads (their parameter shards as they are) and then
+        what their owed steps read (the optimizer state), so that the disk works through the replay's compute."""
+        p = self.placement
+        if p.param_home is Tier.NVME and p.gather_from is Tier.HOST:
+            self.tiers.prefetch([self.key(f, ShardKind.PARAM) for f in flats], Tier.HOST)
+        self.prefetch_state([f for f in flats if f in self.records], with_grad=False, master=not p.master_is_param)
+
     def release_unsettled_param(self, flat: FlatParam) -> None:
         """Done with `fetch_unsettled_param`'s shard: its copy stays cached (the step reads it next)."""
         self.tiers.release(self.key(flat, ShardKind.PARAM), self.placement.gather_from, keep=True)
