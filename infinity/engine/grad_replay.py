@@ -76,6 +76,7 @@ class GradientReplay:
         self.shards = shards
         self.prof = prof
         self.persistent = persistent
+        self._blocks = blocks
         self._block_of: dict[FlatParam, ShardedBlock] = {f: b for b in blocks for f in b.flats}
         persistent_ids = {id(p) for f in persistent.flats for p in f.params}
         self._self_contained = {  # its module holds its own flats' parameters and persistent ones, nothing else
@@ -133,7 +134,8 @@ class GradientReplay:
             self.scheduler.issue_queued_gathers()
         fetched: list[FlatParam] = []
         gathered: list[FlatParam] = []
-        self.shards.prefetch_unsettled([f for f in block.flats if not f.unsharded])
+        after = self._blocks[block.index + 1].flats if block.index + 1 < len(self._blocks) else []
+        self.shards.prefetch_unsettled(*([f for f in fs if not f.unsharded] for fs in (block.flats, after)))
         try:
             for f in block.flats:
                 if f.unsharded:  # resident: its buffer holds the weights until the step writes them

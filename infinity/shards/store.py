@@ -316,13 +316,18 @@ class ShardStore(GradientAccumulators, OptimizerLending):
             self.param_bytes_fetched += flat.shard_numel * self.placement.compute_dtype.itemsize
         return self.tiers.fetch(self.key(flat, ShardKind.PARAM), self.placement.gather_from).wait()
 
-    def prefetch_unsettled(self, flats: list[FlatParam]) -> None:
-        """Start reading what a gradient replay of `flats` reads (their parameter shards as they are) and then
-        what their owed steps read (the optimizer state), so that the disk works through the replay's compute."""
+    def prefetch_unsettled(self, flats: list[FlatParam], ahead: list[FlatParam]) -> None:
+        """Start reading what a gradient replay of `flats` reads (their parameter shards as they are), what their
+        owed steps read next (the optimizer state), then the parameter shards of `ahead` (the block replayed
+        next) where their gradients are to be recomputed: the disk works through the replays' compute."""
         p = self.placement
-        if p.param_home is Tier.NVME and p.gather_from is Tier.HOST:
+        params_read = p.param_home is Tier.NVME and p.gather_from is Tier.HOST
+        if params_read:
             self.tiers.prefetch([self.key(f, ShardKind.PARAM) for f in flats], Tier.HOST)
         self.prefetch_state([f for f in flats if f in self.records], with_grad=False, master=not p.master_is_param)
+        if params_read:
+            replayed = [f for f in ahead if f in self._replay_owed or f in self._replay_trials]
+            self.tiers.prefetch([self.key(f, ShardKind.PARAM) for f in replayed], Tier.HOST)
 
     def release_unsettled_param(self, flat: FlatParam) -> None:
         """Done with `fetch_unsettled_param`'s shard: its copy stays cached (the step reads it next)."""
