@@ -59,12 +59,8 @@ def _config(kind: str, nvme_path: str, *, recompute: bool = True, dtype: str = "
     )
 
 
-def _train_counting_grad_moves(kind: str, cfg: dict, steps: int = STEPS) -> dict:
-    """`train_on_rank` (on this rank's batches), with the blocks whose gradients were written to NVMe (by name:
-    the steps in whose backward they were) and the number of blocks replayed."""
-    rank, world = rank_and_world()
-    model = make_model(kind)
-    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+def _grad_writes(engine) -> dict[str, set[int]]:
+    """From now on, the blocks whose gradients `engine` writes to NVMe, by name: the steps it was in."""
     written: dict[str, set[int]] = {}
     count = engine.moves.record
 
@@ -74,6 +70,16 @@ def _train_counting_grad_moves(kind: str, cfg: dict, steps: int = STEPS) -> dict
         count(event)
 
     engine.moves.record = record
+    return written
+
+
+def _train_counting_grad_moves(kind: str, cfg: dict, steps: int = STEPS) -> dict:
+    """`train_on_rank` (on this rank's batches), with the blocks whose gradients were written to NVMe
+    (`_grad_writes`) and the number of blocks replayed."""
+    rank, world = rank_and_world()
+    model = make_model(kind)
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    written = _grad_writes(engine)
     losses = train_steps(engine, batches(kind, MICRO_BS, rank=rank, world_size=world), steps)
     state = engine.full_state_dict()  # (settles the last step: its blocks are replayed then)
     replayed = engine.grad_replay.replayed_blocks if engine.grad_replay is not None else 0
@@ -219,15 +225,7 @@ def _train_annealed(nvme_path: str, factor, steps: int = STEPS) -> dict:
     returns, and the blocks the replay rejected."""
     rank, world = rank_and_world()
     engine, _, _, _ = infinity.initialize(model=_AnnealedGPT(), config=_config("gpt", nvme_path))
-    written: dict[str, set[int]] = {}
-    count = engine.moves.record
-
-    def record(event) -> None:
-        if event.key[-1] == ShardKind.GRAD.value and event.dst == "nvme":
-            written.setdefault(event.key[0].split("#")[0], set()).add(engine.global_steps)
-        count(event)
-
-    engine.moves.record = record
+    written = _grad_writes(engine)
     data = batches("gpt", MICRO_BS, rank=rank, world_size=world)
     losses = []
     try:
