@@ -258,8 +258,9 @@ def train_on_rank(
     `client_optimizer(model)` is passed as initialize(optimizer=...), `model_parameters(model)` as
     initialize(model_parameters=...); `scheduler_factory` as lr_scheduler (a callable taking the engine's optimizer);
     `user_lr_lambda` builds a LambdaLR on the returned optimizer that this loop steps after each optimizer
-    step, as a user would. Returns plain data: per-step losses, the full state dict, the initial one, the
-    lrs before each step, skipped steps, shards stepped during backward and forward trace invalidations,
+    step, as a user would. Returns plain data: per-step losses, the full state dict, the blocks whose gradients
+    were recomputed (a count) and those whose replay's trial failed, the initial state dict, the lrs before
+    each step, skipped steps, shards stepped during backward and forward trace invalidations,
     the bytes moved between tiers (`engine.bytes_moved`) and this rank's trainable shard elements.
     """
     rank, world = rank_and_world()
@@ -293,7 +294,9 @@ def train_on_rank(
         losses.append(step_loss)
     result = {
         "losses": losses,
-        "state": engine.full_state_dict(),
+        "state": engine.full_state_dict(),  # (settles a deferred step: its gradient replays run here)
+        "replayed": engine.grad_replay.replayed_blocks if engine.grad_replay is not None else 0,
+        "replay_rejected": dict(engine.grad_replay.rejected) if engine.grad_replay is not None else {},
         "initial": initial,
         "lrs": lrs,
         "skipped": engine.skipped_steps,

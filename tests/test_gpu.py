@@ -77,6 +77,16 @@ def test_the_unclipped_nvme_optimizer_on_the_gpu_matches_plain_pytorch(tmp_path,
         assert all(r["stepped_in_backward"] > 0 for r in results)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_clipped_nvme_steps_recompute_gradients_on_the_gpu_as_plain_pytorch(tmp_path, world, dtype):
+    """Clipped under a host budget, each block's gradient is recomputed on the GPU for its deferred step: the first
+    step's trial passes with the GPU's rounding (no block rejected), and training matches plain PyTorch."""
+    results = _run(tmp_path, world, "nvme", dtype, 1, host_budget=256 << 20)
+    _check_against_pytorch_on_the_gpu(results, 1, 1.0, dtype)
+    assert all(r["replay_rejected"] == {} and r["replayed"] > 0 for r in results)
+
+
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_no_op_of_a_step_mixes_host_and_device_memory(tmp_path, offload):
     device = torch.device("cuda", torch.cuda.current_device())
