@@ -104,3 +104,13 @@ def test_next_use_distance_is_unknown_once_the_trace_no_longer_holds():
     trace.start_pass()
     trace.visit(1)  # diverges at once
     assert trace.next_use_distance(0, 0, NUMEL.__getitem__) is None
+
+
+def test_after_names_the_block_the_recorded_order_runs_next_and_nothing_once_it_no_longer_holds():
+    trace = ExecutionTrace()
+    assert trace.after(0) is None  # nothing recorded yet
+    _pass(trace, [2, 0, 1])  # a forward that runs its blocks out of definition order
+    assert (trace.after(2), trace.after(0), trace.after(1), trace.after(3)) == (0, 1, None, None)
+    trace.start_pass()
+    trace.visit(0)  # differs from the recorded order: what follows is unknown for the rest of the pass
+    assert trace.after(2) is None

@@ -134,7 +134,8 @@ class GradientReplay:
             self.scheduler.issue_queued_gathers()
         fetched: list[FlatParam] = []
         gathered: list[FlatParam] = []
-        after = self._blocks[block.index + 1].flats if block.index + 1 < len(self._blocks) else []
+        following = self.scheduler.forward_trace.after(block.index)  # the next block the forward runs
+        after = self._blocks[following].flats if following is not None else []
         self.shards.prefetch_unsettled(*([f for f in fs if not f.unsharded] for fs in (block.flats, after)))
         try:
             for f in block.flats:

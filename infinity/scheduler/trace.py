@@ -43,6 +43,14 @@ class ExecutionTrace:
     def upcoming(self, position: int) -> list[int]:
         return self.order[position + 1 :] if self.valid and not self._diverged else []
 
+    def after(self, block: int) -> int | None:
+        """The block the recorded order runs right after `block`'s first use; None where it is last, not in the
+        order, or the order no longer holds."""
+        if not self.valid or self._diverged or block not in self.order:
+            return None
+        i = self.order.index(block)
+        return self.order[i + 1] if i + 1 < len(self.order) else None
+
     def next_use_distance(self, position: int, block: int, numel_of) -> int | None:
         """Elements gathered between this position and the block's next use, or None if not used again."""
         total = 0
