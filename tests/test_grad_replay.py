@@ -73,19 +73,60 @@ def _grad_writes(engine) -> dict[str, set[int]]:
     return written
 
 
+def _flat_copies_in_backward(engine) -> list[int]:
+    """From now on, per backward: how many of the blocks' flats had their parameters' gradients copied into a
+    flat (`FlatParam.grads_into`)."""
+    counts: list[int] = []
+    for block in engine.blocks:
+        for flat in block.flats:
+            copy = flat.grads_into
+
+            def counted(out, accumulate, copy=copy):
+                if in_backward:
+                    counts[-1] += 1
+                return copy(out, accumulate)
+
+            flat.grads_into = counted
+    in_backward = False
+    backward = engine.backward
+
+    def counting_backward(loss):
+        nonlocal in_backward
+        counts.append(0)
+        in_backward = True
+        try:
+            return backward(loss)
+        finally:
+            in_backward = False
+
+    engine.backward = counting_backward
+    return counts
+
+
 def _train_counting_grad_moves(kind: str, cfg: dict, steps: int = STEPS) -> dict:
     """`train_on_rank` (on this rank's batches), with the blocks whose gradients were written to NVMe
-    (`_grad_writes`) and the number of blocks replayed."""
+    (`_grad_writes`), the blocks' flat copies per backward (`_flat_copies_in_backward`) and the number of
+    blocks replayed."""
     rank, world = rank_and_world()
     model = make_model(kind)
     engine, _, _, _ = infinity.initialize(model=model, config=cfg)
     written = _grad_writes(engine)
+    copies = _flat_copies_in_backward(engine)
     losses = train_steps(engine, batches(kind, MICRO_BS, rank=rank, world_size=world), steps)
     state = engine.full_state_dict()  # (settles the last step: its blocks are replayed then)
     replayed = engine.grad_replay.replayed_blocks if engine.grad_replay is not None else 0
     blocks = [b.name for b in engine.blocks]
+    flats = sum(len(b.flats) for b in engine.blocks)
     engine.close()
-    return {"losses": losses, "state": state, "written": written, "replayed": replayed, "blocks": blocks}
+    return {
+        "losses": losses,
+        "state": state,
+        "written": written,
+        "replayed": replayed,
+        "blocks": blocks,
+        "flats": flats,
+        "copies_in_backward": copies,
+    }
 
 
 @pytest.mark.parametrize("kind", ["gpt", "gpt_checkpointed", "gpt_functional_tie"])
@@ -96,6 +137,8 @@ def test_recomputed_gradients_never_touch_the_disk_after_their_trial_and_train_a
     run = _train_counting_grad_moves(kind, _config(kind, str(tmp_path)))
     assert run["replayed"] == STEPS * len(run["blocks"])  # (the last step's, as full_state_dict settles it)
     assert all(run["written"].get(b) == {0} for b in run["blocks"])  # the trial's, in the first step only
+    # after the trial backward keeps only the norms, read from the parameters' gradients: no flat copy
+    assert run["copies_in_backward"] == [run["flats"]] + [0] * (STEPS - 1)
     assert_matches_plain_pytorch([run], kind, STEPS, MICRO_BS)
 
 
@@ -103,6 +146,7 @@ def test_with_recompute_gradients_off_they_wait_on_nvme_and_the_weights_are_the_
     on = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "on")))
     off = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "off"), recompute=False))
     assert off["replayed"] == 0 and all(off["written"].get(b) == set(range(STEPS)) for b in off["blocks"])
+    assert off["copies_in_backward"] == [off["flats"]] * STEPS and on["copies_in_backward"][1:] == [0] * (STEPS - 1)
     assert on["losses"] == off["losses"]
     for key, value in on["state"].items():
         assert torch.equal(value, off["state"][key]), key  # the very gradients: bit for bit
@@ -308,7 +352,7 @@ def test_bf16_recomputed_gradients_are_the_ones_backward_gave(tmp_path):
     the run is bit for bit the one whose gradients waited on NVMe (and within bf16's tolerance of PyTorch)."""
     on = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "on"), dtype="bf16"))
     off = _train_counting_grad_moves("gpt", _config("gpt", str(tmp_path / "off"), dtype="bf16", recompute=False))
-    assert on["replayed"] > 0
+    assert on["replayed"] > 0 and on["copies_in_backward"][1:] == [0] * (STEPS - 1)
     assert on["losses"] == off["losses"]
     for key, value in on["state"].items():
         assert torch.equal(value, off["state"][key]), key

@@ -63,7 +63,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def accumulate_local_grads(self, flat: FlatParam, final: bool = True) -> None:
         """One rank, nothing to reduce: the parameters' gradients go straight into the accumulator when it
-        is in the compute's memory (one pass), else through one flat copy."""
+        is in the compute's memory (one pass), else through one flat copy; where only their norm is kept (the
+        step recomputes them), it is read from them."""
         acc = self.shards.grad_accumulator(flat)
         if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
             if final:
@@ -71,6 +72,10 @@ class ShardedAdam(torch.optim.Optimizer):
             if flat.grads_into(acc, accumulate=self.shards.records[flat].has_grad):
                 self.shards.grad_written(flat, final)
             return
+        if final and not self.step_in_backward:
+            self._final_grad_arrives()
+            if self.shards.owe_replay_of_params(flat):  # only its norm is kept (its step recomputes it): no flat
+                return
         # a host flat is 4 KiB-aligned so that an NVMe accumulator writes it in place (no staging copy), in
         # the dtype the accumulator keeps, on memory reused step after step (one rank's reduction buffer):
         # fresh memory costs the kernel's zeroing on first touch, the largest part of this copy

@@ -174,6 +174,10 @@ class FlatParam:
             out[self.numel :].zero_()  # the padding
         return True
 
+    def grads(self) -> list[torch.Tensor | None]:
+        """The parameters' gradients, in slot order (None where a parameter has none)."""
+        return [p.grad for p in self.params]
+
     def clear_grads(self) -> None:
         for p in self.params:
             p.grad = None

@@ -32,7 +32,7 @@ import torch
 
 from infinity.partition.flat_param import FlatParam
 from infinity.shards.crossing import StagedCopy
-from infinity.shards.grad_norm import norm_sq
+from infinity.shards.grad_norm import flat_norm_sq, norm_sq, param_grads_norm_sq
 from infinity.shards.kinds import ShardKind
 from infinity.storage import ALIGN, Tier
 
@@ -42,6 +42,7 @@ REPLAY_NORM_RTOL = 1e-4  # a recomputed gradient's squared norm against backward
 # compute dtype, not a different gradient
 REPLAY_TRIAL_RTOL = 1e-4
 _TRIAL_CHUNK = 1 << 20  # elements compared at once (no whole-shard temporary)
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # gradient dtypes an fp32 flat holds exactly
 
 
 class GradReplay(Protocol):
@@ -73,7 +74,7 @@ class GradientAccumulators:
         record = self.records[flat]  # (grad_accumulator settled what was owed: it is read first)
         record.has_grad = True
         if final and self.placement.needs_grad_norm:
-            record.grad_norm_sq = norm_sq(self.shard_view(flat, ShardKind.GRAD))
+            record.grad_norm_sq = flat_norm_sq(flat, self.shard_view(flat, ShardKind.GRAD))
 
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor, final: bool) -> None:
         """Add one micro-batch's gradient shard (in the compute's memory) into the accumulator; `final` marks
@@ -129,14 +130,14 @@ class GradientAccumulators:
             return
         if final and not record.has_grad and self.grad_replay is not None and self.grad_replay.accepts(flat):
             if flat in self._replay_trusted:
-                self._owe_replay(flat, grad)
+                self._owe_replay(flat, flat_norm_sq(flat, grad))
                 return
             self._replay_trials[flat] = None  # kept the usual way below, and recomputed at its step to compare
         held = self._held_grads.get(flat)
         if held is not None:  # an earlier micro-batch's sum, in host memory
             held.add_(grad)
             if final and self.placement.needs_grad_norm:
-                record.grad_norm_sq = norm_sq(held)
+                record.grad_norm_sq = flat_norm_sq(flat, held)
             return
         key = self.key(flat, ShardKind.GRAD)
         if record.has_grad:
@@ -146,13 +147,13 @@ class GradientAccumulators:
                 self.tiers.write(key, held).wait()
                 grad = held
                 if final and self.placement.needs_grad_norm:
-                    record.grad_norm_sq = norm_sq(held)
+                    record.grad_norm_sq = flat_norm_sq(flat, held)
             finally:
                 self.tiers.release(key, Tier.HOST)
                 self.tiers.evict(key)  # one accumulator in host memory at a time (grad_accumulation_bytes)
             return
         if final and self.placement.needs_grad_norm:
-            record.grad_norm_sq = norm_sq(grad)
+            record.grad_norm_sq = flat_norm_sq(flat, grad)
         if self._hold_grad(flat, grad):
             record.has_grad = True
             return
@@ -217,7 +218,7 @@ class GradientAccumulators:
             if not record.has_grad:
                 continue
             if record.grad_norm_sq is None:  # no final micro-batch reached this flat: norm its sum now
-                record.grad_norm_sq = norm_sq(self.read(flat, ShardKind.GRAD))
+                record.grad_norm_sq = flat_norm_sq(flat, self.read(flat, ShardKind.GRAD))
             total += record.grad_norm_sq
         return total
 
@@ -235,10 +236,32 @@ class GradientAccumulators:
 
     # -- gradients recomputed for their step ---------------------------------------------------------
 
-    def _owe_replay(self, flat: FlatParam, grad: torch.Tensor) -> None:
+    def owe_replay_of_params(self, flat: FlatParam) -> bool:
+        """`accumulate_grad` of `flat`'s final gradient, from its parameters' own gradients (one rank, host
+        memory), where only its norm would be kept: its step gets it recomputed. Nothing is copied into a flat.
+        False, touching nothing, where the gradient is to come the usual way."""
+        self._settle_before_grad(flat)
+        record = self.records[flat]
+        exact = (self.placement.grad_dtype,) if self.placement.grad_dtype != torch.float32 else _EXACT_IN_FP32
+        if (
+            self.comm.world_size != 1
+            or self.placement.grads_cross_to_host
+            or self.shard_view(flat, ShardKind.GRAD) is not None
+            or record.has_grad
+            or flat in self._replay_owed
+            or flat in self._replay_trials
+            or flat not in self._replay_trusted
+            or any(g is not None and (g.device.type != "cpu" or g.dtype not in exact) for g in flat.grads())
+            or not self.grad_replay.accepts(flat)
+        ):
+            return False
+        self._owe_replay(flat, param_grads_norm_sq(flat))
+        return True
+
+    def _owe_replay(self, flat: FlatParam, grad_norm_sq: float) -> None:
         """Keep only the squared norm of `flat`'s final gradient: its step gets it recomputed (`prepare_grad`)."""
         record = self.records[flat]
-        record.grad_norm_sq = norm_sq(grad)
+        record.grad_norm_sq = grad_norm_sq
         record.has_grad = True
         self._replay_owed[flat] = record.grad_norm_sq
         key = self.key(flat, ShardKind.GRAD)
@@ -264,7 +287,7 @@ class GradientAccumulators:
         """The recomputed gradient of `flat` (host, `placement.grad_dtype`), held for its step once its squared
         norm matches the one backward's gave (the clipping used it); else it raises."""
         expected = self._replay_owed[flat]
-        got = norm_sq(grad)
+        got = flat_norm_sq(flat, grad)
         if not math.isclose(got, expected, rel_tol=REPLAY_NORM_RTOL, abs_tol=1e-30):
             raise RuntimeError(
                 f"the gradient of {flat.name} recomputed for its deferred step has squared norm {got:.9g}, backward's "
