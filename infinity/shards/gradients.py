@@ -11,7 +11,8 @@ disk. The same flats are held every step (gradients arrive in the same order), s
 dropped when it is first held: it would hold an older step's gradient.
 
 Where a `GradReplay` accepts a flat (its block's gradient can be computed again when its deferred step
-runs), only the gradient's norm is kept: the step asks for the gradient again (`prepare_grad`), and the
+runs), only the gradient's norm is kept (with one rank, read from the parameters' own gradients, which are
+never copied into a flat: `owe_replay_of_params`): the step asks for the gradient again (`prepare_grad`), and the
 recomputed one, handed over as backward's was, is held once its norm matches the one kept, so it neither waits on
 NVMe nor in host memory through the step boundary.
 
@@ -239,7 +240,9 @@ class GradientAccumulators:
     def owe_replay_of_params(self, flat: FlatParam) -> bool:
         """`accumulate_grad` of `flat`'s final gradient, from its parameters' own gradients (one rank, host
         memory), where only its norm would be kept: its step gets it recomputed. Nothing is copied into a flat.
-        False, touching nothing, where the gradient is to come the usual way."""
+        False where the gradient is to come the usual way (having settled what `accumulate_grad` settles)."""
+        if flat not in self._replay_trusted:
+            return False
         self._settle_before_grad(flat)
         record = self.records[flat]
         exact = (self.placement.grad_dtype,) if self.placement.grad_dtype != torch.float32 else _EXACT_IN_FP32
@@ -250,7 +253,6 @@ class GradientAccumulators:
             or record.has_grad
             or flat in self._replay_owed
             or flat in self._replay_trials
-            or flat not in self._replay_trusted
             or any(g is not None and (g.device.type != "cpu" or g.dtype not in exact) for g in flat.grads())
             or not self.grad_replay.accepts(flat)
         ):
