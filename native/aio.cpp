@@ -75,8 +75,8 @@ public:
         : block_size_(block_size), queue_depth_(queue_depth), single_submit_(single_submit),
           overlap_events_(overlap_events), crc_path_(static_cast<infinity_crc::Path>(crc_path)) {
         if (block_size <= 0 || block_size % kAlign) throw py::value_error("block_size must be a positive multiple of 4096");
-        if (crc_path < 1 || crc_path > 2 || !infinity_crc::supported(crc_path_))
-            throw py::value_error("crc_path must be 1 (table) or 2 (sse4.2, where the CPU has it)");
+        if (crc_path < 1 || crc_path > 3 || !infinity_crc::supported(crc_path_))
+            throw py::value_error("crc_path must be 1 (table), 2 (sse4.2) or 3 (avx512), where the CPU has it");
         if (queue_depth < 1 || threads < 1) throw py::value_error("queue_depth and intra_op_parallelism must be >= 1");
         // Past RLIMIT_FSIZE the kernel sends SIGXFSZ, whose default action kills the process; ignored,
         // the write fails with EFBIG and is reported like any other error. A handler someone

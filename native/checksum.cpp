@@ -12,9 +12,10 @@ using infinity_crc::Path;
 namespace {
 
 Path parse_path(const std::string& name) {
+    if (name == "avx512") return Path::vpclmul;
     if (name == "sse4.2") return Path::sse42;
     if (name == "table") return Path::table;
-    throw py::value_error("crc32c path must be 'sse4.2' or 'table', got '" + name + "'");
+    throw py::value_error("crc32c path must be 'avx512', 'sse4.2' or 'table', got '" + name + "'");
 }
 
 Path checked_path(const std::string& name) {
@@ -26,7 +27,7 @@ Path checked_path(const std::string& name) {
 }  // namespace
 
 void register_checksum(py::module_& m) {
-    auto sub = m.def_submodule("checksum", "CRC32C (Castagnoli) with the SSE4.2 instruction or a table");
+    auto sub = m.def_submodule("checksum", "CRC32C (Castagnoli): VPCLMULQDQ folding, the SSE4.2 instruction or a table");
     sub.def(
         "crc32c",
         [](uintptr_t address, int64_t nbytes, uint32_t crc, const std::string& path) {
@@ -40,7 +41,7 @@ void register_checksum(py::module_& m) {
     sub.def("combine", &infinity_crc::combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
             "CRC32C of A || B from crc32c(A), crc32c(B) and len(B).");
     sub.def("supported", [](const std::string& path) { return infinity_crc::supported(parse_path(path)); },
-            py::arg("path"), "Whether this CPU runs the given path ('sse4.2' or 'table').");
+            py::arg("path"), "Whether this CPU runs the given path ('avx512', 'sse4.2' or 'table').");
     sub.def("path_code", [](const std::string& path) { return static_cast<int>(checked_path(path)); },
             py::arg("path"), "The engine's code for a path (its crc_path argument).");
 }

@@ -1,4 +1,4 @@
-"""CRC32C: both native paths against published test vectors and an independent pure-Python reference,
+"""CRC32C: every native path against published test vectors and an independent pure-Python reference,
 and the checksum the I/O engines compute per request on their worker threads, on real files."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch
 from infinity.config import AioConfig
 from infinity.config.schema import parse_section
 from infinity.storage import ALIGN, DirectEngine, aligned_empty, crc32c, open_engine, resolve_crc32c_path
-from infinity.storage.checksum import CRC32C_ENV_VAR, crc32c_combine, supported_crc32c_paths
+from infinity.storage.checksum import CRC32C_ENV_VAR, crc32c_address, crc32c_combine, supported_crc32c_paths
 
 pytest_plugins = ["storage_fixtures"]  # real directories: a direct-I/O disk, mounts that refuse it
 PATHS = supported_crc32c_paths()
+MiB = 1 << 20
 
 
 def _reference_table() -> list[int]:
@@ -64,8 +65,10 @@ def test_published_test_vectors(path: str) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_every_length_and_misalignment_matches_the_reference(path: str) -> None:
     rng = random.Random(1)
-    # Around the kernel's boundaries: 8-byte words, 3 x 256 and 3 x 8192 interleaved rounds.
+    # Around the kernels' boundaries: 8-byte words, 3 x 256 and 3 x 8192 interleaved rounds; the fold's
+    # shortest input (320), its 256-byte rounds and its 64- and 16-byte steps.
     lengths = [0, 1, 7, 8, 9, 767, 768, 769, 24575, 24576, 24577, 3 * 24576 + 3 * 768 + 13, 100_003]
+    lengths += [319, 320, 321, 383, 384, 575, 576, 4096 + 64 + 16 + 5]
     lengths += [rng.randrange(1, 70_000) for _ in range(10)]
     for n in lengths:
         data = bytes(rng.getrandbits(8) for _ in range(n + 8))
@@ -85,6 +88,33 @@ def test_continuing_and_combining_give_the_checksum_of_the_whole(path: str) -> N
         assert crc32c_combine(reference_crc32c(a), reference_crc32c(b), len(b)) == whole
 
 
+@pytest.mark.skipif("avx512" not in PATHS, reason="this CPU lacks AVX-512 with VPCLMULQDQ")
+def test_every_branch_of_the_folding_kernel_matches_the_table() -> None:
+    """Every length to 2 KiB, each multiple of 256 to 8 KiB give or take up to 63 (the fold's 256-byte rounds
+    followed by each count of 64- and 16-byte steps and tail bytes), and a few MiB, at every offset in a
+    cache line (the fold's unaligned head), from a zero and a non-zero register."""
+    rng = random.Random(5)
+    lengths = list(range(2049))
+    lengths += [m + d for m in range(256, 8193, 256) for d in range(-63, 64) if m + d > 2048]
+    lengths += [3 * MiB, 3 * MiB + 77, 5 * MiB - 1]
+    buf = _random_buffer(max(lengths) + 64, 6)
+    base = buf.data_ptr()
+    assert base % 64 == 0
+    mismatches = []
+    for n in lengths:
+        for offset in range(64):
+            for crc in (0, rng.getrandbits(32)):
+                want = crc32c_address(base + offset, n, crc, "table")
+                got = crc32c_address(base + offset, n, crc, "avx512")
+                if got != want:
+                    mismatches.append((n, offset, crc, got, want))
+    assert not mismatches, mismatches[:10]
+    # The table itself, against the reference, on a few of these.
+    data = buf[: 8192 + 64].numpy().tobytes()
+    for n, offset in ((320, 1), (2047, 63), (8192 - 1, 17)):
+        assert crc32c_address(base + offset, n, 0, "table") == reference_crc32c(data[offset : offset + n])
+
+
 def test_a_single_bit_flip_anywhere_changes_the_checksum() -> None:
     data = bytearray(random.Random(3).getrandbits(8) for _ in range(ALIGN))
     before = crc32c(data)
@@ -94,11 +124,28 @@ def test_a_single_bit_flip_anywhere_changes_the_checksum() -> None:
         data[bit // 8] ^= 1 << (bit % 8)
 
 
+def _cpu_flags() -> set[str]:
+    """What the kernel says this CPU has (empty where /proc/cpuinfo says nothing)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
 def test_the_path_is_chosen_at_run_time_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     assert PATHS[-1] == "table"
+    flags = _cpu_flags()
+    if {"sse4_2", "pclmulqdq", "avx512f", "avx512vl", "vpclmulqdq"} <= flags:
+        assert PATHS[0] == "avx512"
+    elif "sse4_2" in flags:
+        assert PATHS[0] == "sse4.2"
     assert resolve_crc32c_path() == PATHS[0]
     monkeypatch.setenv(CRC32C_ENV_VAR, "table")
     assert resolve_crc32c_path() == "table"
+    if "sse4.2" in PATHS:  # the older instruction can still be chosen where a faster path exists
+        monkeypatch.setenv(CRC32C_ENV_VAR, "sse4.2")
+        assert resolve_crc32c_path() == "sse4.2"
     assert resolve_crc32c_path("sse4.2" if "sse4.2" in PATHS else "table") in PATHS
     with pytest.raises(ValueError, match="not a CRC32C path"):
         resolve_crc32c_path("md5")

@@ -120,7 +120,7 @@ class _Engine:
 class DirectEngine(_Engine):
     """The native engine over files opened with O_DIRECT (the page cache is bypassed).
 
-    `crc_path` forces the checksum's path ("sse4.2" or "table"; see `resolve_crc32c_path`).
+    `crc_path` forces the checksum's path ("avx512", "sse4.2" or "table"; see `resolve_crc32c_path`).
     """
 
     backend = "odirect"
