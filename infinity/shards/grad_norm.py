@@ -34,7 +34,8 @@ def flat_norm_sq(flat: FlatParam, grad: torch.Tensor) -> float:
     made from: a step may take either."""
     if grad.numel() != flat.padded_numel or grad.device.type != "cpu":  # (on a device each sum waits for it)
         return norm_sq(grad)
-    return sum(norm_sq(grad[slot.offset : slot.offset + slot.numel]) for slot in flat.slots)
+    total = sum(norm_sq(grad[slot.offset : slot.offset + slot.numel]) for slot in flat.slots)
+    return total + norm_sq(grad[flat.numel :])  # the padding: zeros where the parameters made it (adds 0.0)
 
 
 def param_grads_norm_sq(flat: FlatParam) -> float:
