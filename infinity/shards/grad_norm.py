@@ -42,4 +42,4 @@ def param_grads_norm_sq(flat: FlatParam) -> float:
     """`flat_norm_sq` of the flat the parameters' gradients would make (a parameter without one counts zero),
     read from the gradients themselves: no flat copy is made. In another dtype than the flat's, only where
     that conversion is exact (16-bit gradients to fp32)."""
-    return sum(norm_sq(p.grad.contiguous()) for p in flat.params if p.grad is not None)
+    return sum(norm_sq(g.contiguous()) for g in flat.grads() if g is not None)
