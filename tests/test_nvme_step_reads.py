@@ -39,7 +39,7 @@ def _nvme_bytes(engine, kind: ShardKind) -> int:
     return total
 
 
-def _engine(tmp_path, host_budget_mib: int | None, clip: float, dtype: str = "fp32"):
+def _engine(tmp_path, host_budget_mib: int | None, clip: float, dtype: str = "fp32", recompute: bool = True):
     torch.manual_seed(0)
     model = GPT(gpt_preset("small", block_size=SEQ, bias=False, n_layer=16, n_embd=64))
     cfg = config(
@@ -57,6 +57,7 @@ def _engine(tmp_path, host_budget_mib: int | None, clip: float, dtype: str = "fp
             "sub_group_size": 15_000,
         },
     )
+    cfg["zero_optimization"]["offload_optimizer"]["recompute_gradients"] = recompute
     engine, *_ = infinity.initialize(model=model, config=cfg)
     return engine
 
@@ -94,18 +95,22 @@ def test_every_step_reads_each_shard_for_forward_and_once_more_for_backward_and_
         engine.close()
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("host_budget_mib", [4, 5])
-def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_path, host_budget_mib, dtype):
+def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_path, host_budget_mib, dtype, recompute):
     """Each parameter shard is read from NVMe at most twice a step in fp32: by the step (as its master) and by
     the backward gather; with bf16 compute (a 16-bit shard apart from the master) once, by the backward
     gather. The forward gather after the step reads the step's host copy (and backward's gather finds it
-    still cached where the budget leaves room: no read at all)."""
-    engine = _engine(tmp_path, host_budget_mib, clip=1.0, dtype=dtype)
-    most = 2 if dtype == "fp32" else 1
+    still cached where the budget leaves room: no read at all). With the gradients recomputed for the step
+    (`recompute_gradients`), its replay reads the old weights once more where backward's copy did not
+    survive the budget until then (it did or not by which writes had finished when room was reclaimed)."""
+    engine = _engine(tmp_path, host_budget_mib, clip=1.0, dtype=dtype, recompute=recompute)
+    most = (2 if dtype == "fp32" else 1) + recompute
     try:
         assert not engine.placement.step_in_backward
         assert engine.placement.master_is_param == (dtype == "fp32")
+        assert (engine.grad_replay is not None) == recompute
         reads: Counter = Counter()
         count = engine.moves.record
 
@@ -123,5 +128,6 @@ def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_p
             train_steps(engine, data, 1)
             assert max(reads.values(), default=0) <= most, reads.most_common(3)
         assert engine.optimizer.stepped_when_needed > 0
+        assert (engine.grad_replay is not None and engine.grad_replay.replayed_blocks > 0) == recompute
     finally:
         engine.close()
