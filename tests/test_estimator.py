@@ -118,6 +118,34 @@ def test_each_flat_is_padded_to_1024_elements_per_shard_and_4_KiB_per_slot():
         ModelSize(3000, 1000, flat_params=(1000, 1000))
 
 
+def test_a_frozen_flat_holds_its_parameters_alone():
+    # the three flats above, one of them frozen: its 4 KiB parameter slot per rank, no master, moments or gradient
+    size = ModelSize(3000, 1000, flat_params=(1000, 1000), frozen_flat_params=(1000,))
+    assert size.trainable_params == 2000 and size.frozen_params == 1000
+    assert estimate(size, "nvme", "nvme", 1, 2, dtype_bytes=4).nvme_bytes == 2 * (4096 + 8192 + 4096) + 4096
+    # bf16 on the host: the frozen flat adds its 16-bit parameters (1024 x 2 bytes, one page) and nothing else
+    trainable = ModelSize(2000, 1000, flat_params=(1000, 1000))
+    with_frozen = home_bytes_per_rank(size, "cpu", "cpu", 2, dtype_bytes=2)
+    without = home_bytes_per_rank(trainable, "cpu", "cpu", 2, dtype_bytes=2)
+    assert with_frozen["cpu"] - without["cpu"] == 4096 and with_frozen["nvme"] == without["nvme"] == 0
+    # a bare count: the trainable parameters alone are taken as flats of the largest block
+    assert ModelSize(3000, 1000, frozen_flat_params=(1000,)).flat_counts() == [(1000, 2)]
+    with pytest.raises(ValueError, match="not total_params=3000 less the 500 frozen"):
+        ModelSize(3000, 1000, flat_params=(1000, 1000), frozen_flat_params=(500,))
+    with pytest.raises(ValueError, match="frozen_flat_params sum to 4000, more than total_params=3000"):
+        ModelSize(3000, 1000, frozen_flat_params=(4000,))
+
+
+def test_frozen_flats_are_gathered_at_stage_3_and_never_reduced():
+    # two ranks, bf16, one micro-batch: a frozen flat's padded 2048 elements cross twice at stage 3 (forward and
+    # backward gathers), each pass (N-1)/N of them at 2 bytes; at stages 1 and 2 (replicated, no update) never
+    size = ModelSize(3000, 1000, flat_params=(1000, 1000), frozen_flat_params=(1000,))
+    trainable = ModelSize(2000, 1000, flat_params=(1000, 1000))
+    assert collective_bytes_per_step(size, 3, 2) - collective_bytes_per_step(trainable, 3, 2) == 2 * 2048 * 2 // 2
+    for stage in (1, 2):
+        assert collective_bytes_per_step(size, stage, 2) == collective_bytes_per_step(trainable, stage, 2)
+
+
 def test_bad_choices_are_refused_naming_the_fix():
     size = ModelSize(P, L)
     with pytest.raises(ValueError, match="moments='8bit' with offload_optimizer='none'"):

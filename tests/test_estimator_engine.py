@@ -74,13 +74,17 @@ def _engine_homes(model, cfg: dict, world: int) -> dict[bool, dict[str, int]]:
     return out
 
 
-def measure_on_rank(cfg: dict, model_overrides: dict, steps: int) -> dict:
-    """Build the engine for `cfg` on this rank, train `steps` steps; the engine's figures and the model's size."""
+def measure_on_rank(cfg: dict, model_overrides: dict, steps: int, frozen: tuple[str, ...] = ()) -> dict:
+    """Build the engine for `cfg` on this rank, train `steps` steps; the engine's figures and the model's size.
+    Parameters whose names start with one of `frozen` do not require gradients."""
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = GPT(gpt_preset("tiny", bias=False, block_size=SEQ, **model_overrides))
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(frozen) if frozen else True)
     size = module_size(model, resolved(cfg, world, model.config.n_embd).zero_optimization)
     homes = _engine_homes(model, cfg, world)
+    frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # (sharded by the engine)
     engine, _, _, _ = infinity.initialize(model=model, config=cfg)
     data = batches("gpt", MICRO_BS, rank=rank, world_size=world)
     for _ in range(steps * cfg["gradient_accumulation_steps"]):
@@ -91,6 +95,7 @@ def measure_on_rank(cfg: dict, model_overrides: dict, steps: int) -> dict:
     out = {
         "device_is_host": compute_device().type == "cpu",
         "size": size,
+        "frozen_numel": frozen_numel,
         "homes": homes[engine.grads_in_host],
         "grads_in_host": engine.grads_in_host,
         "nvme_planned": engine.nvme_bytes_planned,
@@ -126,19 +131,7 @@ BUDGET_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "world,stage,param,optim,dtype,moments,clip,accum,budget", [(*c, None) for c in CASES] + BUDGET_CASES
-)
-def test_estimate_is_the_engines_layout_per_rank(
-    tmp_path, world, stage, param, optim, dtype, moments, clip, accum, budget
-):
-    if world > 1 and torch.cuda.is_available() and torch.cuda.device_count() < world:
-        pytest.skip(f"{world} ranks need {world} CUDA devices")
-    cfg = _config(stage, param, optim, dtype, moments, clip, accum, str(tmp_path), host_budget=budget)
-    if world == 1:
-        results = [measure_on_rank(cfg, {}, steps=2)]
-    else:
-        results = run_distributed(measure_on_rank, world, cfg, {}, 2, timeout_s=180)
+def _check_against_the_engine(results, world, stage, param, optim, dtype, moments, clip, accum, budget) -> None:
     dtype_bytes = 4 if dtype == "fp32" else 2
     for r in results:
         choice = dict(stage=stage, moments=moments, clip=clip > 0, accumulation=accum)
@@ -157,6 +150,46 @@ def test_estimate_is_the_engines_layout_per_rank(
             assert homes["cpu"] == r["live"]["cpu"]
         if optim == "nvme":
             assert r["nvme_planned"] > 0
+
+
+def _measure(tmp_path, world, stage, param, optim, dtype, moments, clip, accum, budget, frozen=()) -> list[dict]:
+    if world > 1 and torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks need {world} CUDA devices")
+    cfg = _config(stage, param, optim, dtype, moments, clip, accum, str(tmp_path), host_budget=budget)
+    if world == 1:
+        return [measure_on_rank(cfg, {}, 2, frozen)]
+    return run_distributed(measure_on_rank, world, cfg, {}, 2, frozen, timeout_s=180)
+
+
+@pytest.mark.parametrize(
+    "world,stage,param,optim,dtype,moments,clip,accum,budget", [(*c, None) for c in CASES] + BUDGET_CASES
+)
+def test_estimate_is_the_engines_layout_per_rank(
+    tmp_path, world, stage, param, optim, dtype, moments, clip, accum, budget
+):
+    case = (world, stage, param, optim, dtype, moments, clip, accum, budget)
+    _check_against_the_engine(_measure(tmp_path, *case), *case)
+
+
+FROZEN_CASES = [
+    (1, 3, "nvme", "nvme", "fp32", "fp32", 1.0, 1, None),
+    (2, 3, "nvme", "nvme", "bf16", "8bit", 1.0, 1, BUDGET),
+    (2, 3, "cpu", "cpu", "bf16", "fp32", 0.0, 1, None),
+    (1, 2, "none", "cpu", "bf16", "bf16", 1.0, 1, None),
+]
+
+
+@pytest.mark.parametrize("world,stage,param,optim,dtype,moments,clip,accum,budget", FROZEN_CASES)
+def test_frozen_parameters_are_estimated_with_their_parameter_slot_alone(
+    tmp_path, world, stage, param, optim, dtype, moments, clip, accum, budget
+):
+    """The position embedding and the first layer frozen: the engine lays them out as frozen flats (a parameter
+    slot, no master, moments or gradient), and `module_size` gives the estimate the same flats."""
+    case = (world, stage, param, optim, dtype, moments, clip, accum, budget)
+    results = _measure(tmp_path, *case, frozen=("wpe.", "blocks.0."))
+    for r in results:
+        assert r["size"].frozen_params == r["frozen_numel"] > 0
+    _check_against_the_engine(results, *case)
 
 
 def test_a_bare_parameter_count_is_within_one_percent_where_padding_is_small(tmp_path):

@@ -6,7 +6,9 @@ match (tests/test_estimator_engine.py builds engines and compares). N = gpus_per
 bytes per compute-dtype weight (2 for bf16/fp16, 4 for fp32). The model is a list of flats (one per block
 and the root, `ModelSize.flat_params`; a bare count is taken as flats of its largest block); a flat of n
 elements has on each rank a shard of S = ceil(n / N) elements rounded up to 1024 (SHARD_ALIGN_ELEMS), and
-every slot in host memory or on NVMe is rounded up to 4 KiB. Per rank and flat:
+every slot in host memory or on NVMe is rounded up to 4 KiB. Parameters that do not require gradients form
+flats of their own (`ModelSize.frozen_flat_params`) that hold the parameter slot alone. Per rank and
+trainable flat:
 
 - parameters: b*S on the `offload_param` tier; stages 1-2 (and one rank at stage 3, with the parameters in
   the compute's memory) keep the whole padded flat there, b*S*N: parameters replicated on every device;

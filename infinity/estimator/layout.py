@@ -81,12 +81,18 @@ def _slot(nbytes: int, offload: str) -> int:
     return nbytes if offload == "none" else -(-nbytes // ALIGN) * ALIGN
 
 
+def _param_slot(elems: int, c: _Choice) -> int:
+    """Bytes on the `offload_param` tier one rank's parameter slot of a flat of `elems` takes (all a frozen
+    flat has: no master, moments or gradient)."""
+    shard = FlatParam.shard_elems(elems, c.ranks)
+    return _slot((shard * c.ranks if c.resident else shard) * c.dtype_bytes, c.offload_param)
+
+
 def _flat_homes(elems: int, c: _Choice) -> dict[str, int]:
     """Bytes per offload tier ("none" is the device) one rank's slots of one trainable flat take."""
     shard = FlatParam.shard_elems(elems, c.ranks)
     homes = dict.fromkeys(OFFLOADS, 0)
-    param_elems = shard * c.ranks if c.resident else shard
-    homes[c.offload_param] += _slot(param_elems * c.dtype_bytes, c.offload_param)
+    homes[c.offload_param] += _param_slot(elems, c)
     optim = c.offload_optimizer
     if not c.master_is_param:
         homes[optim] += _slot(4 * shard, optim)
@@ -103,6 +109,8 @@ def _homes(size: ModelSize, c: _Choice) -> dict[str, int]:
     for elems, count in size.flat_counts():
         for tier, nbytes in _flat_homes(elems, c).items():
             total[tier] += count * nbytes
+    for elems, count in size.frozen_flat_counts():
+        total[c.offload_param] += count * _param_slot(elems, c)
     return total
 
 

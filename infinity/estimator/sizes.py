@@ -16,35 +16,56 @@ from infinity.partition.blocks import flat_groups
 class ModelSize:
     """Parameter counts the estimate needs: all distinct parameters, those of the largest block (the unit
     gathered and reduced at once), and, where known, each flat's (the unit every shard slot is padded for:
-    `module_size`). Without `flat_params` the model is taken as flats of the largest block's size."""
+    `module_size`): the trainable flats (`flat_params`) and those of frozen parameters (`frozen_flat_params`:
+    a parameter slot only, no master, moments or gradient). Without `flat_params` the trainable parameters
+    are taken as flats of the largest block's size."""
 
     total_params: int
     largest_block_params: int
     flat_params: tuple[int, ...] = ()
+    frozen_flat_params: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.total_params < 0 or self.largest_block_params < 0 or any(n < 0 for n in self.flat_params):
+        counts = (self.total_params, self.largest_block_params, *self.flat_params, *self.frozen_flat_params)
+        if any(n < 0 for n in counts):
             raise ValueError(f"parameter counts must be >= 0, got {self}")
-        if self.flat_params and sum(self.flat_params) != self.total_params:
+        if self.frozen_params > self.total_params:
             raise ValueError(
-                f"flat_params sum to {sum(self.flat_params)}, not total_params={self.total_params}: "
-                "list every flat of the model once"
+                f"frozen_flat_params sum to {self.frozen_params}, more than total_params={self.total_params}"
+            )
+        if self.flat_params and sum(self.flat_params) != self.trainable_params:
+            raise ValueError(
+                f"flat_params sum to {sum(self.flat_params)}, not total_params={self.total_params} less the "
+                f"{self.frozen_params} frozen: list every flat of the model once"
             )
 
+    @property
+    def frozen_params(self) -> int:
+        return sum(self.frozen_flat_params)
+
+    @property
+    def trainable_params(self) -> int:
+        return self.total_params - self.frozen_params
+
     def flat_counts(self) -> list[tuple[int, int]]:
-        """(elements of a flat, how many flats of that size): the given flats, else as many flats of the
-        largest block as the total holds and one of the rest."""
+        """(elements of a trainable flat, how many flats of that size): the given flats, else as many flats of
+        the largest block as the trainable parameters fill and one of the rest."""
         if self.flat_params:
             return sorted(Counter(self.flat_params).items())
-        largest = self.largest_block_params or self.total_params
-        if largest == 0:
+        trainable = self.trainable_params
+        largest = self.largest_block_params or trainable
+        if largest == 0 or trainable == 0:
             return []
-        full, rest = divmod(self.total_params, largest)
+        full, rest = divmod(trainable, largest)
         return [(largest, full)] + ([(rest, 1)] if rest else [])
+
+    def frozen_flat_counts(self) -> list[tuple[int, int]]:
+        """(elements of a frozen flat, how many flats of that size)."""
+        return sorted(Counter(self.frozen_flat_params).items())
 
     @property
     def largest_flat_params(self) -> int:
-        """The optimizer's unit: the largest flat (the largest block where flats are not known)."""
+        """The optimizer's unit: the largest trainable flat (the largest block where flats are not known)."""
         return max(self.flat_params) if self.flat_params else self.largest_block_params or self.total_params
 
 
@@ -63,19 +84,22 @@ def module_size(model: nn.Module, zero: ZeroConfig | None = None) -> ModelSize:
     """The counts of `model` (built on the meta device or not) with its flats laid out as the engine lays
     them out under `zero` (block_classes, block_size_elems, stage3_param_persistence_threshold,
     sub_group_size; its defaults when None): one flat per block, the root and the persistent set, split at
-    sub_group_size. Every parameter is counted as trainable (one param group), an upper bound for a model
-    with frozen parts."""
+    sub_group_size. Parameters that do not require gradients form frozen flats, as the engine lays them out
+    (`flat_groups`); every trainable one is counted in one param group."""
     z = zero if zero is not None else ZeroConfig()
     threshold = z.stage3_param_persistence_threshold
     if not isinstance(threshold, int):
         raise ValueError(f"stage3_param_persistence_threshold is {threshold!r}: resolve 'auto' first")
     plan = plan_blocks(model, tuple(z.block_classes), z.block_size_elems, threshold)
     uses = [plan.root, plan.persistent, *(b[2] for b in plan.blocks)]
-    group_of = {id(p): 0 for p in model.parameters()}
-    runs = [run for u in uses for _, _, run in flat_groups(u, group_of, z.sub_group_size)]
-    flats = [sum(p.numel() for _, p, _ in run) for run in runs]
+    group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}  # frozen: no group (None)
+    flats: dict[bool, list[int]] = {True: [], False: []}  # by trainable
+    for u in uses:
+        for _, group, run in flat_groups(u, group_of, z.sub_group_size):
+            flats[group is not None].append(sum(p.numel() for _, p, _ in run))
     largest = max((sum(p.numel() for _, p, _ in u) for u in uses), default=0)
-    return ModelSize(sum(flats), largest, tuple(flats))
+    total = sum(flats[True]) + sum(flats[False])
+    return ModelSize(total, largest, tuple(flats[True]), tuple(flats[False]))
 
 
 def gpt_model_size(preset: str, zero: ZeroConfig | None = None, **overrides) -> ModelSize:

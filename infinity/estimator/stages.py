@@ -6,6 +6,7 @@ for backward. Per rank and step, in ring collectives over the padded model of P_
 (communication_data_type defaults to the compute dtype), with k micro-batches per step and N ranks:
 stage 1 all-reduces gradients every micro-batch (2k) and all-gathers the update (1): (2k + 1) (N-1)/N b P_pad;
 stage 2 reduce-scatters instead: (k + 1) (N-1)/N b P_pad; stage 3: 3k (N-1)/N b P_pad, 1.5x stage 2 at k = 1.
+Frozen parameters have no gradient and no update: stage 3 gathers them (2k), stages 1 and 2 move none.
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ def collective_bytes_per_step(
     """Bytes each rank sends to the others per optimizer step at `stage` (see the module docstring)."""
     if ranks == 1:
         return 0
-    padded = sum(count * FlatParam.shard_elems(elems, ranks) * ranks for elems, count in size.flat_counts())
+
+    def padded(counts: list[tuple[int, int]]) -> int:
+        return sum(count * FlatParam.shard_elems(elems, ranks) * ranks for elems, count in counts)
+
     passes = {1: 2 * accumulation + 1, 2: accumulation + 1, 3: 3 * accumulation}[stage]
-    return passes * (ranks - 1) * padded * dtype_bytes // ranks
+    elems = passes * padded(size.flat_counts())
+    if stage == 3:  # frozen flats are gathered for forward and backward, never reduced
+        elems += 2 * accumulation * padded(size.frozen_flat_counts())
+    return (ranks - 1) * elems * dtype_bytes // ranks
 
 
 @dataclass(frozen=True)
