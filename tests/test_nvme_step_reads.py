@@ -104,9 +104,10 @@ def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_p
     gather. The forward gather after the step reads the step's host copy (and backward's gather finds it
     still cached where the budget leaves room: no read at all). With the gradients recomputed for the step
     (`recompute_gradients`), its replay reads the old weights once more where backward's copy did not
-    survive the budget until then (it did or not by which writes had finished when room was reclaimed)."""
+    survive the budget until then (whether it does depends on which writes have finished when the budget
+    reclaims room)."""
     engine = _engine(tmp_path, host_budget_mib, clip=1.0, dtype=dtype, recompute=recompute)
-    most = (2 if dtype == "fp32" else 1) + recompute
+    most = (2 if dtype == "fp32" else 1) + int(recompute)
     try:
         assert not engine.placement.step_in_backward
         assert engine.placement.master_is_param == (dtype == "fp32")
