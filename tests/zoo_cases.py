@@ -160,10 +160,16 @@ def train_zoo(archs: list[str], steps: int, micro_bs: int, nvme_path: str) -> di
     return results
 
 
-def plain_zoo(arch: str, steps: int, global_bs: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def plain_zoo(
+    arch: str, steps: int, global_bs: int, initial: dict[str, torch.Tensor] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The yardstick: the same model and global batches, torch.optim.AdamW, global-norm clipping, fp32 (the
-    harness's `reference_train` with a transformers model's call: a dict of inputs in, `.loss` out)."""
+    harness's `reference_train` with a transformers model's call: a dict of inputs in, `.loss` out); from the
+    `initial` weights where given (every parameter), else from the model's seeded initialization."""
     model = build_zoo_model(arch)
+    if initial is not None:
+        missing, unexpected = model.load_state_dict(initial, strict=False)  # buffers may come or not
+        assert {*missing, *unexpected} <= {n for n, _ in model.named_buffers()}, (missing, unexpected)
     opt = config_adamw(model)
     data = zoo_batches(arch, global_bs)
     losses = []
