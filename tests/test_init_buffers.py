@@ -19,7 +19,7 @@ MICRO_BS = 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "bert"])
-def test_parameters_go_to_meta_and_buffers_keep_their_values(arch):
+def test_parameters_go_to_meta_and_buffers_keep_their_values(tmp_path, arch):
     plain = build_zoo_model(arch)
     register = nn.Module.register_parameter
     with infinity.Init():
@@ -34,7 +34,7 @@ def test_parameters_go_to_meta_and_buffers_keep_their_values(arch):
         on_meta = build_zoo_model(arch)
     assert all(b.is_meta for b in on_meta.buffers())
     with pytest.raises(ValueError, match="is on the meta device: its values cannot be recomputed"):
-        infinity.initialize(model=on_meta, config=zoo_config(arch, MICRO_BS, None))
+        infinity.initialize(model=on_meta, config=zoo_config(arch, MICRO_BS, str(tmp_path)))
 
 
 def test_a_llama_built_under_init_trains_as_plain_pytorch_from_the_weights_initialize_made(tmp_path):
