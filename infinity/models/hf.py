@@ -11,12 +11,10 @@ the engine materializes, shards and offloads it block by block. Its weights are 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError
+from infinity.models.meta import parameters_on_meta
 
 CONFIG_FILE = "config.json"
 
@@ -71,24 +70,6 @@ class HFFolder:
             if isinstance(value, int):
                 return value
         return None
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside, every parameter a module registers is moved to the meta device (its `torch.empty` storage is
-    dropped untouched); buffers stay where they were made, with their values."""
-    original = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def load_hf_folder(path: str | os.PathLike, with_tokenizer: bool = True) -> HFFolder:

@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from infinity.config import InfinityConfig, load_config
-from infinity.models.hf import parameters_on_meta
+from infinity.models.meta import parameters_on_meta
 
 
 class Init:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from infinity.models.meta import parameter_like
+
 
 def _initializer(root: nn.Module) -> Callable[[nn.Module], None] | None:
     for name in ("init_module_weights", "_init_weights"):
@@ -63,7 +65,7 @@ def materialize_modules(modules: Iterable[nn.Module], root: nn.Module, device: t
                 continue
             new = replaced.get(id(p))
             if new is None:
-                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                new = parameter_like(p, torch.empty(p.shape, dtype=p.dtype, device=device))
                 replaced[id(p)] = new
             module._parameters[attr] = new
     for module in targets:

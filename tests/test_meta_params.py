@@ -1,0 +1,86 @@
+"""A parameter's class and attributes survive being built on the meta device and materialized by the engine,
+whether the model was built under `infinity.Init` or on `torch.device("meta")`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import config
+from torch import nn
+
+import infinity
+from infinity.models.meta import parameter_like
+
+
+class TaggedParameter(nn.Parameter):
+    """A `nn.Parameter` subclass, as libraries define to mark parameters (tensor-parallel, no weight decay)."""
+
+
+class TaggedLayer(nn.Module):
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__()
+        weight = TaggedParameter(torch.empty(width, width))
+        weight.tag = f"layer{index}"  # set before registration, as such code does
+        self.weight = weight
+        self.bias = nn.Parameter(torch.empty(width))
+        self.bias.no_decay = True
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.1)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight + self.bias)
+
+
+class TaggedNet(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TaggedLayer(width, i) for i in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+BUILDERS = {"init": lambda cfg: infinity.Init(config=cfg), "meta_device": lambda cfg: torch.device("meta")}
+
+
+@pytest.mark.parametrize("built", list(BUILDERS))
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_class_and_attributes_survive_materialization_and_training(tmp_path, built, offload):
+    cfg = config(
+        "mlp", block_classes=("TaggedLayer",), offload_param=offload, offload_optimizer=offload, nvme_path=str(tmp_path)
+    )
+    with BUILDERS[built](cfg):
+        model = TaggedNet()
+    assert all(p.is_meta for p in model.parameters())
+    assert all(type(layer.weight) is TaggedParameter for layer in model.layers)
+    engine = infinity.initialize(model=model, config=cfg)[0]
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 16)))
+            engine.step()
+        for i, layer in enumerate(model.layers):
+            assert type(layer.weight) is TaggedParameter and layer.weight.tag == f"layer{i}"
+            assert type(layer.bias) is nn.Parameter and layer.bias.no_decay is True
+            assert not layer.weight.is_meta
+        full = dict(engine.iter_full_state())
+        assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for k, t in full.items() if k.endswith("weight"))
+    finally:
+        engine.close()
+
+
+class NeedsAName(nn.Parameter):
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, *, name: str):
+        return super().__new__(cls, data, requires_grad)
+
+
+def test_a_class_that_cannot_be_remade_is_named_in_the_error():
+    param = NeedsAName(torch.zeros(2), name="w")
+    with pytest.raises(TypeError, match="NeedsAName: its constructor must accept \\(data, requires_grad\\)"):
+        parameter_like(param, torch.empty(2, device="meta"))
+    with pytest.raises(TypeError, match="NeedsAName"), infinity.Init():
+        nn.Module().register_parameter("w", param)
