@@ -85,10 +85,11 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import scale_bound, shapes
-from benchlib.measure import disk_io, folder_bytes, peak_rss_bytes, raw_disk, rss_bytes
+from benchlib.measure import disk_io, folder_bytes, peak_rss_bytes, raw_disk
 from benchlib.scale_bound import COMPUTE_BYTES
 from benchlib.scale_disk import check_disk, disk_need
 from benchlib.scale_report import summarize
+from benchlib.scale_steps import timed_steps
 from benchlib.scratch import install_signal_handlers, remove_stale_dirs, scratch_dir
 from benchlib.watch import PeriodicGC, RssWatch
 
@@ -263,49 +264,7 @@ def train(args: argparse.Namespace, cfg: Any, nvme_dir: Path) -> dict[str, Any]:
         out: dict[str, Any] = {"params": params, "init_s": round(init_s, 2)}
         out["peak_rss_after_init_bytes"] = peak_rss_bytes()
         data = token_batches(args.batch, args.seq, cfg.vocab_size)
-        steps = []
-        for i in range(args.warmup + args.steps):
-            x, y = next(data)
-            moved0, stall0 = dict(engine.bytes_moved), engine.stall_s
-            io0, t0 = disk_io(), time.perf_counter()
-            watch.phase = f"step {i} forward"
-            _, loss = engine(x, y)
-            loss_value = loss.item()
-            io1, t1 = disk_io(), time.perf_counter()
-            watch.phase = f"step {i} backward"
-            engine.backward(loss)
-            io2, t2 = disk_io(), time.perf_counter()
-            watch.phase = f"step {i} optimizer"
-            engine.step()
-            io3, t3 = disk_io(), time.perf_counter()
-            watch.phase = "between steps"
-            record = {
-                "step_s": t3 - t0,
-                "forward_s": t1 - t0,
-                "backward_s": t2 - t1,
-                "optimizer_s": t3 - t2,
-                "bytes_read": io3[0] - io0[0],
-                "bytes_written": io3[1] - io0[1],
-                "read_by_phase": [io1[0] - io0[0], io2[0] - io1[0], io3[0] - io2[0]],
-                "written_by_phase": [io1[1] - io0[1], io2[1] - io1[1], io3[1] - io2[1]],
-                "stall_s": engine.stall_s - stall0,
-                "engine_bytes_moved": {k: v - moved0.get(k, 0) for k, v in engine.bytes_moved.items()
-                                       if v != moved0.get(k, 0)},  # fmt: skip
-                "loss": loss_value,
-                "rss_bytes": rss_bytes(),
-                "sampled_peak_rss_by_phase": [
-                    watch.per_phase.get(f"step {i} {phase}", 0) for phase in ("forward", "backward", "optimizer")
-                ],
-            }
-            steps.append(record)
-            which = f"warm-up {i + 1}/{args.warmup}" if i < args.warmup else f"step {i + 1 - args.warmup}/{args.steps}"
-            log(
-                f"{which}: {record['step_s']:.2f} s "
-                f"(fwd {record['forward_s']:.2f}, bwd {record['backward_s']:.2f}, opt {record['optimizer_s']:.2f}), "
-                f"read {record['bytes_read'] / 1e9:.2f} GB, written {record['bytes_written'] / 1e9:.2f} GB, "
-                f"stall {record['stall_s']:.2f} s, loss {loss_value:.4f}, RSS {record['rss_bytes'] / GiB:.2f} GiB "
-                f"(peak {peak_rss_bytes() / GiB:.2f})"
-            )
+        steps = timed_steps(engine, data, args.warmup, args.steps, watch, log)
         out["swap_bytes_on_disk"] = folder_bytes(nvme_dir)
         out["peak_rss_bytes"] = peak_rss_bytes()
         out["sampled_peak_rss"] = {"bytes": watch.max_bytes, "where": watch.where}
