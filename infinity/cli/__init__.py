@@ -26,7 +26,6 @@ def _parser() -> argparse.ArgumentParser:
     from infinity.cli import estimate
     from infinity.cli.faults import EXIT_CODES_HELP
     from infinity.cli.train import DEFAULT_MODEL, DEFAULT_STEPS, add_train_arguments
-    from infinity.models.gpt import GPT_PRESETS
 
     parser = argparse.ArgumentParser(
         prog="infinity",
@@ -47,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        choices=list(GPT_PRESETS),
-        help='GPT preset whose hidden size resolves "auto", and whose size the fit line estimates',
+        help=f'{estimate.MODEL_HELP} (default: {DEFAULT_MODEL}): its hidden size resolves "auto", its layers are '
+        "the blocks where the config names none, and the fit line estimates its size",
     )
     config.add_argument("--steps", type=int, default=DEFAULT_STEPS, help='resolves "auto" scheduler steps')
     config.add_argument("--offload", choices=("none", "cpu", "nvme"))
@@ -72,16 +71,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from infinity.cli.estimate import config_fit_line
+    from infinity.cli.estimate import config_fit_line, meta_model
     from infinity.cli.train import build_config
     from infinity.config import resolve_batch_sizes
-    from infinity.models.gpt import gpt_preset
 
     args.config = args.file
-    cfg = build_config(args, gpt_preset(args.model).n_embd)
+    model = meta_model(args.model)
+    cfg = build_config(args, model.hidden_size, model.block_classes)
     cfg = resolve_batch_sizes(cfg, args.world_size)
     print(json.dumps(cfg.to_dict(), indent=2))
-    print(config_fit_line(cfg, args.model, args.world_size), file=sys.stderr)  # stdout stays the JSON
+    print(config_fit_line(cfg, model, args.world_size), file=sys.stderr)  # stdout stays the JSON
     return 0
 
 

@@ -1,11 +1,17 @@
 """`infinity estimate`: memory for model states at each ZeRO stage and offload, and what fits this machine; and
-the line `infinity config` prints on whether a config's stage and offload fit."""
+the line `infinity config` prints on whether a config's stage and offload fit. Both size a GPT preset or a
+Hugging Face model folder as `infinity train` would build it, on the meta device."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
 
-from infinity.config import ConfigError, InfinityConfig
+import torch
+from torch import nn
+
+from infinity.config import ConfigError, InfinityConfig, ZeroConfig
 from infinity.estimator import (
     STAGE_CHOICES,
     ModelSize,
@@ -14,23 +20,55 @@ from infinity.estimator import (
     fit_line,
     format_bytes,
     format_params,
-    gpt_model_size,
     largest_fitting_params,
+    module_size,
     probe_machine,
     size_from_params,
     stage_table,
 )
 from infinity.estimator.stages import choice_name, preferred
-from infinity.models.gpt import GPT_PRESETS
+from infinity.models.gpt import GPT, GPT_PRESETS, gpt_preset
 from infinity.shards.moments import MOMENT_FORMATS
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MODEL_HELP = f"a GPT preset ({', '.join(GPT_PRESETS)}) or a Hugging Face model folder"
+
+
+@dataclass
+class MetaModel:
+    """A `--model` built on the meta device to be sized: its module, how to name it, its hidden size (for
+    "auto" values) and the classes of its layers (None for a preset: the config's, `Block` by default)."""
+
+    module: nn.Module
+    label: str
+    hidden_size: int | None
+    block_classes: tuple[str, ...] | None
+
+
+def unknown_model(name: str) -> ConfigError:
+    return ConfigError(f"--model {name!r} is neither a GPT preset ({', '.join(GPT_PRESETS)}) nor a Hugging Face model "
+                       "folder (a folder with config.json)")  # fmt: skip
+
+
+def meta_model(name: str) -> MetaModel:
+    """`name` (a GPT preset, or a folder with config.json) built on the meta device: no memory is allocated."""
+    if name in GPT_PRESETS:
+        preset = gpt_preset(name)
+        with torch.device("meta"):
+            module = GPT(preset)
+        return MetaModel(module, f"GPT '{name}'", preset.n_embd, None)
+    if not Path(name, "config.json").is_file():
+        raise unknown_model(name)
+    from infinity.models.hf import load_hf_folder
+
+    hf = load_hf_folder(name, with_tokenizer=False)
+    return MetaModel(hf.model, f"{type(hf.model).__name__} from {hf.folder}", hf.hidden_size, hf.block_classes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="total parameters, e.g. 13e9")
-    what.add_argument("--model", choices=list(GPT_PRESETS), help="a GPT preset, counted on the meta device")
+    what.add_argument("--model", help=f"{MODEL_HELP}, counted on the meta device")
     parser.add_argument(
         "--largest-layer-params", type=float, help="parameters of the largest block (default: GPT-shaped guess)"
     )
@@ -45,23 +83,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", default=".", help="where NVMe offload would write (for its free space)")
 
 
-def model_size(args: argparse.Namespace) -> ModelSize:
-    size = gpt_model_size(args.model) if args.model else size_from_params(args.params)
+def model_size(args: argparse.Namespace) -> tuple[ModelSize, str]:
+    """`--params` (a GPT-shaped guess) or `--model`'s counts (blocks its layers, none persistent), and the model's
+    name ("" for a bare count)."""
+    label = ""
+    if args.model:
+        model = meta_model(args.model)
+        zero = ZeroConfig(block_classes=model.block_classes or ("Block",), stage3_param_persistence_threshold=0)
+        size, label = module_size(model.module, zero), f"{model.label}: "
+    else:
+        size = size_from_params(args.params)
     if args.largest_layer_params is not None:
         size = ModelSize(size.total_params, int(args.largest_layer_params))
-    return size
+    return size, label
 
 
 def run(args: argparse.Namespace) -> int:
     if args.gpus < 1 or args.nodes < 1 or args.accumulation < 1:
         raise ConfigError("--gpus, --nodes and --accumulation must be >= 1")
-    size = model_size(args)
+    size, label = model_size(args)
     dtype_bytes = _DTYPE_BYTES[args.dtype]
     clip = not args.no_clip or args.dtype == "fp16"
     choice = {"moments": args.moments, "clip": clip, "accumulation": args.accumulation}
     machine = probe_machine(args.nvme_path)
     print(
-        f"Model states of {format_params(size.total_params)} parameters (largest block "
+        f"Model states of {label}{format_params(size.total_params)} parameters (largest block "
         f"{format_params(size.largest_block_params)}), {args.nodes} node(s) x {args.gpus} GPU(s), "
         f"{args.dtype} weights, Adam moments {args.moments} (fp32 where the optimizer stays on the device), "
         f"gradient clipping {'on' if clip else 'off'}, {args.accumulation} micro-batch(es) per step; activations "
@@ -109,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_fit_line(cfg: InfinityConfig, model: str, world_size: int) -> str:
-    """Whether `cfg`'s stage and offload (batch sizes and "auto" resolved) fit this machine for GPT `model` on
+def config_fit_line(cfg: InfinityConfig, model: MetaModel, world_size: int) -> str:
+    """Whether `cfg`'s stage and offload (batch sizes and "auto" resolved) fit this machine for `model` on
     `world_size` ranks of this node, with the estimator's note (stage 3 where stage 2 fits, what fits where
     this does not, or that nothing does)."""
     z = cfg.zero_optimization
@@ -123,9 +169,9 @@ def config_fit_line(cfg: InfinityConfig, model: str, world_size: int) -> str:
     }
     dtype_bytes = 4 if cfg.compute_dtype_name == "float32" else 2
     try:
-        size = gpt_model_size(model, zero=z)
+        size = module_size(model.module, zero=z)
         advice = advise(size, machine, z.stage, z.offload_param.device, z.offload_optimizer.device, world_size,
                         dtype_bytes=dtype_bytes, **choice)  # fmt: skip
     except ValueError as exc:  # a stage or offload the engine refuses too
         return f"fit: not estimated: {exc}"
-    return "fit: " + fit_line(advice, machine, f"GPT '{model}' on {world_size} rank(s)")
+    return "fit: " + fit_line(advice, machine, f"{model.label} on {world_size} rank(s)")

@@ -87,10 +87,9 @@ def choose_model(args: argparse.Namespace) -> ModelChoice:
         return _preset(args)
     if Path(args.model, "config.json").is_file():
         return _hf_folder(args)
-    raise ConfigError(
-        f"--model {args.model!r} is neither a GPT preset ({', '.join(GPT_PRESETS)}) nor a Hugging Face model "
-        "folder (a folder with config.json)"
-    )
+    from infinity.cli.estimate import unknown_model
+
+    raise unknown_model(args.model)
 
 
 def load_pretrained(choice: ModelChoice, engine) -> None:
