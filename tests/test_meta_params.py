@@ -84,3 +84,25 @@ def test_a_class_that_cannot_be_remade_is_named_in_the_error():
         parameter_like(param, torch.empty(2, device="meta"))
     with pytest.raises(TypeError, match="NeedsAName"), infinity.Init():
         nn.Module().register_parameter("w", param)
+
+
+def test_a_weight_marked_initialized_on_meta_is_still_initialized_when_materialized(tmp_path):
+    """transformers' initializers skip a tensor marked `_is_hf_initialized` (its values loaded or set); a mark
+    made while the weight was on meta must not survive materialization, or the weight would keep torch.empty's
+    bytes."""
+    pytest.importorskip("transformers")
+    from zoo_cases import build_zoo_model, zoo_config
+
+    cfg = zoo_config("llama", 2, str(tmp_path))
+    with infinity.Init(config=cfg):
+        model = build_zoo_model("llama")
+    marked = model.model.layers[0].mlp.up_proj.weight
+    marked._is_hf_initialized = True  # as a model's own init code does once it has set a weight
+    assert not hasattr(parameter_like(marked, torch.empty(marked.shape)), "_is_hf_initialized")
+    engine = infinity.initialize(model=model, config=cfg)[0]
+    try:
+        weight = dict(engine.iter_full_state())["model.layers.0.mlp.up_proj.weight"]
+    finally:
+        engine.close()
+    std = model.config.initializer_range  # _init_weights draws Linear weights from N(0, std)
+    assert 0.8 * std < weight.std().item() < 1.2 * std and weight.mean().abs().item() < 0.1 * std

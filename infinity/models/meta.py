@@ -15,7 +15,8 @@ from torch import nn
 
 
 def parameter_like(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A parameter holding `data` with `param`'s class, `requires_grad` and attributes (shared, not copied).
+    """A parameter holding `data` with `param`'s class, `requires_grad` and attributes (shared, not copied), but
+    for the mark that says its values are set (`_is_hf_initialized`).
 
     The class is rebuilt as `torch` rebuilds it for `copy.deepcopy`: `type(param)(data, requires_grad)`.
     """
@@ -28,6 +29,9 @@ def parameter_like(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
             f"(data, requires_grad), as nn.Parameter's does and copy.deepcopy expects ({exc})"
         ) from exc
     new.__dict__.update(param.__dict__)
+    # transformers marks a tensor whose values are loaded or set, and its initializers then skip it; a remade
+    # parameter has new storage, so its values are not those any more and the model's initializer must run
+    new.__dict__.pop("_is_hf_initialized", None)
     return new
 
 
