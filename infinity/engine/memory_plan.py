@@ -112,7 +112,7 @@ def plan_memory(
         host = grad_rmw + kept
         if param_on_nvme:
             elems = max(z.offload_param.buffer_count * z.offload_param.buffer_size, 4 * largest)
-            read_ahead = max(min(elems, z.offload_param.max_in_cpu or elems), 4 * largest) * itemsize
+            read_ahead = max(min(elems, z.offload_param.max_in_cpu), 4 * largest) * itemsize
             host += read_ahead
         if optim_on_nvme:
             if placement.step_timing is StepTiming.BEFORE_NEXT_GATHER:

@@ -83,7 +83,7 @@ def read_ahead_change(config: dict, largest_shard_bytes: int) -> Change | None:
     count, size, cap = p["buffer_count"], p["buffer_size"], p.get("max_in_cpu")
 
     def read_ahead(count: int, cap: int | None) -> int:  # elements, as plan_memory sizes it
-        return max(min(count * size, cap or count * size), floor)
+        return max(min(count * size, count * size if cap is None else cap), floor)
 
     now = read_ahead(count, cap)
     target = 2 * now
