@@ -155,7 +155,7 @@ def _read_cache(tokens_path: Path, sidecar: Path) -> np.ndarray | None:
 
 
 def _write_atomically(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # ranks sharing the folder write apart
     with partial.open(mode) as f:
         write(f)
         f.flush()
