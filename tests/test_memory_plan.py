@@ -85,6 +85,13 @@ def test_read_ahead_holds_at_least_four_of_the_largest_shards():
     assert plan.param_read_ahead_bytes == 4 * largest * FP32
 
 
+@pytest.mark.parametrize("max_in_cpu,elems", [(0, None), (200_000, 200_000), (10**9, 5 * 100_000)])
+def test_max_in_cpu_caps_the_read_ahead_and_zero_keeps_the_least(max_in_cpu, elems):
+    largest, _, _ = _largest()
+    plan = _plan(_cfg("nvme", "nvme", buffer_count=5, buffer_size=100_000, max_in_cpu=max_in_cpu))
+    assert plan.param_read_ahead_bytes == (4 * largest if elems is None else elems) * FP32
+
+
 def test_parameters_alone_on_nvme_budget_only_their_read_ahead():
     plan = _plan(_cfg("nvme", "none", buffer_count=5, buffer_size=100_000))
     assert plan.budgets.host_bytes == plan.param_read_ahead_bytes == 5 * 100_000 * FP32
