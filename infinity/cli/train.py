@@ -137,6 +137,8 @@ def _with_offload(cfg: InfinityConfig, device: str | None, nvme_path: str | None
     param, optim = z.offload_param, z.offload_optimizer
     if device is not None:
         param, optim = dataclasses.replace(param, device=device), dataclasses.replace(optim, device=device)
+        if device != "nvme" and nvme_path is None:  # the folder the config named means nothing off NVMe
+            param, optim = dataclasses.replace(param, nvme_path=None), dataclasses.replace(optim, nvme_path=None)
     if nvme_path is not None:
         param, optim = dataclasses.replace(param, nvme_path=nvme_path), dataclasses.replace(optim, nvme_path=nvme_path)
     for section, name in ((param, "offload_param"), (optim, "offload_optimizer")):

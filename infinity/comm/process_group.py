@@ -41,6 +41,9 @@ def device_index(current: int, local_rank: str | None, device_count: int) -> int
     )
 
 
+_created_here = False  # the default group was created by init_distributed
+
+
 def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
     """Return (rank, world_size), creating the default group from torchrun's env when needed.
 
@@ -60,7 +63,15 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
             )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global _created_here
+    _created_here = True
     return dist.get_rank(), dist.get_world_size()
+
+
+def group_given_by_caller() -> bool:
+    """Whether the default process group exists and was created by the caller, not by `init_distributed` (so
+    with the caller's timeout)."""
+    return dist.is_available() and dist.is_initialized() and not _created_here
 
 
 def comm_device(compute: torch.device, group: dist.ProcessGroup | None) -> torch.device:

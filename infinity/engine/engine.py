@@ -19,6 +19,7 @@ from torch import nn
 
 from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
+from infinity.comm.process_group import group_given_by_caller
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
 from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.grad_replay import GradientReplay, recompute_gradients
@@ -85,7 +86,9 @@ class InfinityEngine(EngineStateIO):
         if cfg.seed is not None:
             seed_everything(cfg.seed)  # before a meta model is materialized with its initializers
         if rank == 0:
-            for line in no_effect_notices(cfg, cuda=device.type == "cuda"):
+            given = {"client_optimizer": optimizer is not None, "client_scheduler": lr_scheduler is not None}
+            given["group_given"] = group_given_by_caller()
+            for line in no_effect_notices(cfg, device.type == "cuda", world, **given):
                 print(line, file=sys.stderr)
         z = cfg.zero_optimization
         self.placement = resolve_placement(cfg, device, world, client_optimizer=optimizer is not None)

@@ -17,9 +17,10 @@ class EngineStateIO:
     ) -> str:
         """Write a sharded checkpoint (every rank calls this); returns its folder."""
         from infinity.engine.checkpoint import save_checkpoint
+        from infinity.engine.checkpoint_tag import agree_on_tag
 
         self.optimizer.refuse_mid_step("save_checkpoint")
-        tag = tag or f"global_step{self.global_steps}"
+        tag = agree_on_tag(self.comm, tag or f"global_step{self.global_steps}", self.config.checkpoint.tag_validation)
         folder = save_checkpoint(
             save_dir, tag, self.shards, self.module, self._run_state(), client_state or {}, save_latest
         )
