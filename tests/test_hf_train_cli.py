@@ -96,3 +96,38 @@ def test_a_missing_data_file_or_model_folder_is_a_clear_error(tmp_path, job):
     assert code == 2 and "neither a GPT preset" in err
     code, _, err = _train("--model", "tiny", "--save-hf", str(tmp_path / "x"), "--steps", "1")
     assert code == 2 and "--save-hf" in err
+
+
+def _broken_copy(job, tmp_path: Path, name: str) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(job["root"] / "llama", tmp_path / name))
+
+
+def test_a_broken_folder_is_named_in_one_line_without_a_traceback(tmp_path, job):
+    data = ["--data", str(job["root"] / "data.jsonl"), "--seq", "32", "--steps", "1", "--offload", "cpu"]
+    unreadable = _broken_copy(job, tmp_path, "config")
+    (unreadable / "config.json").write_text("{")
+    code, _, err = _train("--model", str(unreadable), *data, "--save-dir", str(tmp_path / "ck1"))
+    assert code == 2 and "config.json' cannot be read as a model config" in err and "Traceback" not in err
+    weightless = _broken_copy(job, tmp_path, "weightless")
+    for f in weightless.glob("model*.safetensors*"):
+        f.unlink()
+    code, _, err = _train("--model", str(weightless), *data, "--save-dir", str(tmp_path / "ck2"))
+    assert code == 6 and "holds no weights" in err and "Traceback" not in err
+    truncated = _broken_copy(job, tmp_path, "truncated")
+    shard = sorted(truncated.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, _, err = _train("--model", str(truncated), *data, "--save-dir", str(tmp_path / "ck3"))
+    assert code == 6 and f"weight file '{shard}' cannot be read" in err and "Traceback" not in err
+
+
+def test_save_hf_over_the_save_dir_or_the_model_is_refused_before_training(tmp_path, job):
+    common = ["--data", str(job["root"] / "data.jsonl"), "--seq", "32", "--steps", "1", "--offload", "cpu"]
+    llama = str(job["root"] / "llama")
+    before = sorted(p.name for p in (job["root"] / "llama").iterdir())
+    for target in (str(job["root"] / "llama"), str(tmp_path / "ck"), str(tmp_path)):
+        code, out, err = _train("--model", llama, *common, "--save-dir", str(tmp_path / "ck"), "--save-hf", target)
+        assert code == 2 and "is, holds or is inside" in err, err
+        assert "steps" not in out  # refused before any training
+    assert sorted(p.name for p in (job["root"] / "llama").iterdir()) == before

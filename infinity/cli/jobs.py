@@ -96,9 +96,17 @@ def load_pretrained(choice: ModelChoice, engine) -> None:
     """Stream a Hugging Face folder's weights into the engine's shards (nothing to do for a preset)."""
     if choice.hf is None:
         return
+    from infinity.engine.checkpoint import CheckpointError
     from infinity.models.hf_weights import checkpoint_tensors
 
-    engine.load_full_state(checkpoint_tensors(choice.hf.folder, choice.hf.model))
+    try:
+        engine.load_full_state(checkpoint_tensors(choice.hf.folder, choice.hf.model))
+    except (ValueError, KeyError) as exc:  # a damaged, missing or mismatched weight file, named in the message
+        raise CheckpointError(f"the weights in '{choice.hf.folder}' cannot be loaded: {exc}") from exc
+    except FileNotFoundError as exc:
+        if exc.errno is not None:  # the system's: a path error, classified as such
+            raise
+        raise CheckpointError(f"the weights in '{choice.hf.folder}' cannot be loaded: {exc}") from exc
 
 
 def make_batches(args: argparse.Namespace, choice: ModelChoice, engine) -> Iterator:
@@ -119,6 +127,15 @@ def make_batches(args: argparse.Namespace, choice: ModelChoice, engine) -> Itera
     # A preset computes its own next-token targets: each of its sequences is one token longer.
     seq = choice.seq if choice.hf is not None else choice.seq + 1
     return PackedBatches(tokens, micro_bs, seq, args.seed, comm.rank, comm.world_size)
+
+
+def check_hf_output(args: argparse.Namespace, choice: ModelChoice) -> None:
+    """Refuse a --save-hf folder the save would wrongly replace (see `models.hf.check_hf_output`), before training."""
+    if not getattr(args, "save_hf", None) or choice.hf is None:
+        return
+    from infinity.models.hf import check_hf_output as check
+
+    check(args.save_hf, keep=(choice.hf.folder, args.save_dir), what="--save-hf")
 
 
 def save_hf(args: argparse.Namespace, choice: ModelChoice, engine) -> Path | None:

@@ -49,11 +49,20 @@ def prepare_nvme_folders(cfg: InfinityConfig, from_flag: bool) -> None:
             raise CommandError(ExitCode.PATH, f"{what} '{path}' {why}: choose a writable folder for the swap files")
 
 
-def check_save_dir(save_dir: str) -> None:
-    """Refuse a --save-dir that is a file or that checkpoints could not be written to, before training."""
+def check_save_dir(save_dir: str, resuming: bool) -> None:
+    """Refuse a --save-dir that is a file, that checkpoints could not be written to, or that holds an earlier
+    run's checkpoints when this run starts afresh (its saves would replace them), before training."""
+    from infinity.engine.checkpoint_folder import list_checkpoints
+
     path = Path(save_dir)
     if path.exists() and not path.is_dir():
         raise CommandError(ExitCode.PATH, f"--save-dir '{path}' is a file, not a folder: name a folder for checkpoints")
+    earlier = list_checkpoints(path)
+    if earlier and not resuming:
+        raise ConfigError(
+            f"--save-dir '{path}' holds checkpoints of an earlier run ({', '.join(earlier[-3:])}); a new run would "
+            "replace them and move 'latest': add --resume to continue that run, or choose another --save-dir"
+        )
     existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
     why = _unwritable(existing) if existing is not None else ""
     if why:

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from infinity.engine.checkpoint import CheckpointError, newest_verified_checkpoint, resolve_folder
+from infinity.engine.checkpoint import (
+    CheckpointError,
+    RunMismatch,
+    list_checkpoints,
+    newest_verified_checkpoint,
+    resolve_folder,
+)
 
 
 def _failed_on_any_rank(engine, failed: bool) -> bool:
@@ -43,12 +49,15 @@ def resume(engine, save_dir: str, tag: str | None, fallback: bool, say: Callable
         problem = exc
     if not _failed_on_any_rank(engine, problem is not None):
         return tag or folder.name, client
+    if isinstance(problem, RunMismatch):  # the whole run's checkpoints are of that other run: none would do
+        raise CheckpointError(f"cannot resume from '{save_dir}': {problem}")
     reason = str(problem) if problem is not None else f"another rank could not load '{folder}' (its line says why)"
     found = newest_verified_checkpoint(save_dir, exclude=[folder] if folder is not None else [])
     if found is None:
+        fresh = "another --save-dir (or move these away)" if list_checkpoints(save_dir) else "without --resume"
         raise CheckpointError(
             f"cannot resume from '{save_dir}': {reason}; no {'other ' if folder else ''}checkpoint there is complete: "
-            "train without --resume to start over"
+            f"train {fresh} to start over"
         )
     newest, newest_folder = found
     if not fallback:

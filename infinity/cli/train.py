@@ -210,14 +210,15 @@ def _join_and_watch_peers(config: InfinityConfig):
 def _start(args: argparse.Namespace):
     """Build the model, config, engine and batches; returns (engine, the model choice, batches, heartbeat)."""
     import infinity
-    from infinity.cli.jobs import choose_model, load_pretrained, make_batches
+    from infinity.cli.jobs import check_hf_output, choose_model, load_pretrained, make_batches
     from infinity.cli.preflight import check_host_budget, check_save_dir, prepare_nvme_folders
 
     choice = choose_model(args)
     config = build_config(args, choice.hidden_size, choice.block_classes)
     if getattr(args, "may_restart", False) and _returns_memory_to_os(config):
         reexec_with_huge_pages()  # see infinity.engine.host_memory: only where it pays
-    check_save_dir(args.save_dir)
+    check_save_dir(args.save_dir, resuming=bool(args.resume or args.resume_tag))
+    check_hf_output(args, choice)
     prepare_nvme_folders(config, from_flag=args.nvme_path is not None)
     if choice.hf is None:  # a preset: its size is known before anything is built
         check_host_budget(config, args.model, choice.seq, int(os.environ.get("WORLD_SIZE", "1")))

@@ -38,10 +38,13 @@ import torch
 from torch import nn
 
 from infinity.engine.checkpoint_folder import (
+    FORMAT_VERSION,
     LATEST,
     MANIFEST,
     CheckpointError,
+    RunMismatch,
     begin_staging,
+    check_tag,
     list_checkpoints,
     model_file,
     newest_verified_checkpoint,
@@ -69,6 +72,7 @@ __all__ = [  # the folder-level names are re-exported: callers import them from 
     "OPTIM_STATES",
     "CheckpointError",
     "CheckpointFiles",
+    "RunMismatch",
     "list_checkpoints",
     "load_checkpoint",
     "model_file",
@@ -81,7 +85,6 @@ __all__ = [  # the folder-level names are re-exported: callers import them from 
     "verify_rank",
 ]
 
-FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
 PAUSE_ENV = "INFINITY_TEST_PAUSE_IN_SAVE"
 # The optimizer state of a shard in fp32 moments; other moment formats store their own tensors in place of
 # the moments (`shards.moments`: bf16 codes; 8-bit codes and per-block scales), named in "moments".
@@ -162,6 +165,7 @@ def save_checkpoint(
     """Write this rank's shards (read from `shards`) and `run`; returns the checkpoint folder."""
     comm = shards.comm
     root = Path(save_dir)
+    check_tag(root, tag)
     final = root / tag
     staging = root / f".{tag}.tmp"
     if comm.rank == 0:
@@ -335,7 +339,7 @@ def load_checkpoint(
     comm = shards.comm
     saved_world = int(read_manifest(folder, 0)["world_size"])
     if saved_world != comm.world_size and not elastic:
-        raise CheckpointError(
+        raise RunMismatch(
             f"checkpoint '{folder}' was written by {saved_world} rank(s) and this run has {comm.world_size}; "
             f'resume with {saved_world} rank(s), or set "zero_optimization": {{"elastic_checkpoint": true}} '
             "to reshard it while loading"
@@ -378,14 +382,26 @@ def load_checkpoint(
     return folder, client_state, saved
 
 
+_ACROSS = (
+    "to carry its weights across, write them out with `infinity consolidate` and load them with "
+    "engine.load_full_state"
+)
+
+
 def _check_same_model(shards: ShardStore, folder: Path, model_states: dict[str, Any]) -> None:
     names = {f.name for f in shards.flats}
-    if set(model_states["param_shards"]) != names:
-        raise CheckpointError(f"checkpoint '{folder}' holds a different model: its blocks do not match this engine's")
+    saved_names = set(model_states["param_shards"])
+    if saved_names != names:
+        theirs, ours = sorted(saved_names - names)[:2], sorted(names - saved_names)[:2]
+        raise RunMismatch(
+            f"checkpoint '{folder}' holds a different model, or this model with other param groups, frozen "
+            f"parameters or block_classes (its shards {theirs} are not this engine's, and this engine's {ours} are "
+            f"not there); {_ACROSS}"
+        )
     for flat in shards.flats:
         saved = model_states.get("flats", {}).get(flat.name)
         if saved is not None and saved["numel"] != flat.numel:
-            raise CheckpointError(
+            raise RunMismatch(
                 f"checkpoint '{folder}' holds a different model: block '{flat.name}' has {saved['numel']} "
-                f"parameters there and {flat.numel} here"
+                f"parameters there and {flat.numel} here; {_ACROSS}"
             )

@@ -27,10 +27,16 @@ from infinity.estimator import format_bytes
 
 MANIFEST = "manifest_rank{rank}.json"
 LATEST = "latest"
+FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged or was written by an incompatible run."""
+
+
+class RunMismatch(CheckpointError):
+    """A whole checkpoint written by a run this one cannot continue (another model, layout or world size):
+    no other checkpoint of that run would do either."""
 
 
 def model_file(rank: int) -> str:
@@ -69,6 +75,21 @@ def _remove_unpublished() -> None:
 
 
 atexit.register(_remove_unpublished)
+
+
+def check_tag(root: Path, tag: str) -> None:
+    """Refuse a tag that is not one plain folder name, or that would replace something not a checkpoint."""
+    if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or os.sep in tag or tag == LATEST:
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not a plain folder name: a tag must not be empty, contain '/', start with "
+            f"'.' or be '{LATEST}' (the file naming the newest checkpoint); e.g. 'global_step100' or 'best'"
+        )
+    final = root / tag
+    if final.exists() and not (final / MANIFEST.format(rank=0)).is_file():
+        raise CheckpointError(
+            f"'{final}' exists and is not a checkpoint: saving under tag {tag!r} would replace it; choose another "
+            "tag or save_dir, or move it away"
+        )
 
 
 def begin_staging(root: Path, staging: Path) -> None:
@@ -167,6 +188,24 @@ def publish(root: Path, staging: Path, final: Path, tag: str, save_latest: bool 
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_not_in_checkpoints(path: str | os.PathLike, what: str) -> None:
+    """Refuse to write `what` at `path` where it would replace a checkpoint's file: inside a checkpoint folder
+    (or a save's staging folder), or as the `latest` of a folder that holds checkpoints."""
+    target = Path(path).resolve()
+    for folder in target.parents:
+        staging = folder.name.startswith(".") and folder.name.endswith(".tmp")
+        if staging or (folder / MANIFEST.format(rank=0)).is_file():
+            raise CheckpointError(
+                f"{what} '{path}' is inside checkpoint folder '{folder}': writing it there would damage that "
+                "checkpoint; choose a path outside it"
+            )
+    if target.name == LATEST and list_checkpoints(target.parent):
+        raise CheckpointError(
+            f"{what} '{path}' would replace the '{LATEST}' file that names the newest checkpoint in "
+            f"'{target.parent}'; choose another name"
+        )
+
+
 def list_checkpoints(save_dir: str | os.PathLike) -> list[str]:
     """The tags of `save_dir`'s checkpoint folders (with a rank-0 manifest), in natural order; never a staging
     folder. A re-saved tag whose new folder is not in place yet is listed under its own name."""
@@ -233,6 +272,17 @@ def _manifest_problem(manifest: Any, rank: int) -> str:
         return f"its 'world_size' is {world!r}, not a positive integer"
     if manifest.get("rank", rank) != rank:
         return f"it says rank {manifest['rank']}"
+    version = manifest.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        return f"its 'format_version' is {version!r}, not a positive integer"
+    if version > FORMAT_VERSION:
+        return (
+            f"it is in format {version}, written by a newer infinity (this one reads formats up to {FORMAT_VERSION}): "
+            "load it with that version, or upgrade infinity"
+        )
+    steps = manifest.get("global_steps", 0)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        return f"its 'global_steps' is {steps!r}, not a step number"
     if not isinstance(manifest["files"], dict):
         return "its 'files' is not an object"
     for name, entry in manifest["files"].items():

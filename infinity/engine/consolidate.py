@@ -23,6 +23,7 @@ from infinity.engine.checkpoint import (
     resolve_folder,
     verify_rank,
 )
+from infinity.engine.checkpoint_folder import check_not_in_checkpoints
 from infinity.engine.checkpoint_format import (
     TensorSpec,
     order_aliases_after_sources,
@@ -75,6 +76,7 @@ def consolidate(
 ) -> ConsolidateResult:
     """Write the checkpoint in `ckpt_dir` (its `latest`, or `tag`, or the folder itself) to `out`."""
     folder = resolve_folder(ckpt_dir, tag)
+    check_not_in_checkpoints(out, "output")
     fmt = choose_format(out, fmt)
     with CheckpointFiles(folder) as files:
         for rank in range(files.world_size):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass
@@ -79,7 +80,10 @@ def load_hf_folder(path: str | os.PathLike, with_tokenizer: bool = True) -> HFFo
     folder = Path(path)
     if not is_hf_folder(folder):
         raise ConfigError(f"'{folder}' is not a Hugging Face model folder: it has no {CONFIG_FILE}")
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:  # transformers' own words: an unreadable or unknown config.json
+        raise ConfigError(f"'{folder / CONFIG_FILE}' cannot be read as a model config: {exc}") from exc
     # fp32 parameters whatever the folder's dtype: the engine keeps fp32 masters and casts for compute
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     try:
@@ -130,6 +134,42 @@ def find_block_classes(model: nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
+# what a folder save_hf_folder wrote holds (weights, config, tokenizer), so that an earlier one may be replaced
+_HF_FILE = re.compile(
+    r"[\w.-]*\.(safetensors|bin)|[\w.-]*\.index\.json|(generation_|tokenizer_|preprocessor_)?config\.json"
+    r"|tokenizer\.(json|model)|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt"
+    r"|spiece\.model|chat_template\.(jinja|json)"
+)
+
+
+def check_hf_output(
+    out: str | os.PathLike, keep: tuple[str | os.PathLike, ...] = (), what: str = "Hugging Face output folder"
+) -> None:
+    """Refuse `out` as the folder `save_hf_folder` replaces unless it is new, empty, or a Hugging Face folder
+    (config.json, weights and tokenizer files only); and where it is, holds or is inside one of `keep`."""
+    target = Path(out).resolve()
+    for path in keep:
+        other = Path(path).resolve()
+        if target == other or other in target.parents or target in other.parents:
+            raise ConfigError(
+                f"{what} '{out}' is, holds or is inside '{path}', which it must not replace; name a new folder"
+            )
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{what} '{out}' is a file, not a folder: name a new folder")
+    if target.is_dir():
+        entries = list(target.iterdir())
+        others = sorted(e.name for e in entries if e.is_dir() or not _HF_FILE.fullmatch(e.name))
+        if entries and (others or not (target / CONFIG_FILE).is_file()):
+            held = f"it holds {', '.join(others[:3])}" if others else f"it has no {CONFIG_FILE}"
+            raise ConfigError(
+                f"{what} '{out}' exists and is not a Hugging Face model folder ({held}): writing there would delete "
+                "what it holds; name a new or empty folder"
+            )
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} '{out}' cannot be written: '{existing}' is not writable by this user")
+
+
 def save_hf_folder(engine, hf: HFFolder, out: str | os.PathLike, max_shard_bytes: int | None = None) -> Path:
     """Write the engine's trained weights (fp32) with the folder's config and tokenizer as a folder that
     `from_pretrained` loads. Every rank calls it (the weights are gathered block by block); rank 0 writes
@@ -137,6 +177,7 @@ def save_hf_folder(engine, hf: HFFolder, out: str | os.PathLike, max_shard_bytes
     from infinity.models.hf_weights import DEFAULT_MAX_SHARD_BYTES, hf_tensors, write_hf_weights
 
     out = Path(out)
+    check_hf_output(out, keep=(hf.folder,))
     named = engine.iter_full_state()
     if engine.comm.rank != 0:
         for _ in named:  # the gathers are collectives: every rank walks the whole model
@@ -154,8 +195,11 @@ def save_hf_folder(engine, hf: HFFolder, out: str | os.PathLike, max_shard_bytes
         generation.save_pretrained(staging)
     if hf.tokenizer is not None:
         hf.tokenizer.save_pretrained(staging)
-    if out.exists():
-        shutil.rmtree(out)
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():  # an earlier Hugging Face folder (`check_hf_output`): replaced once the new one is complete
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
     os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
     engine.comm.barrier("Hugging Face folder written")
     return out

@@ -1,0 +1,146 @@
+"""What a user already has on disk survives their mistakes: a fresh run pointed at an earlier run's checkpoints,
+a consolidated file or a Hugging Face folder written over a checkpoint or another folder, a tag that is not a
+plain name, a checkpoint from a newer infinity. Each is refused before anything is written, naming the path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+from harness import config, train_steps
+from toy_models import batches, make_model
+
+import infinity
+from infinity.cli import main
+from infinity.cli.faults import ExitCode
+from infinity.config import ConfigError
+from infinity.engine.checkpoint import MANIFEST, CheckpointError
+from infinity.engine.consolidate import consolidate
+from infinity.models.hf import check_hf_output
+
+TINY = ["train", "--model", "tiny", "--offload", "cpu", "--seq", "16"]
+
+
+def _fingerprint(folder: Path) -> dict[str, str]:
+    """Every file under `folder` and its SHA-256."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A save dir with the tiny preset's checkpoints global_step2 and global_step4 (latest)."""
+    root = tmp_path_factory.mktemp("kept")
+    assert main([*TINY, "--steps", "4", "--save-every", "2", "--save-dir", str(root / "ck")]) == 0
+    return root / "ck"
+
+
+def test_a_fresh_run_into_a_save_dir_with_checkpoints_is_refused_and_they_are_kept(saved, capsys):
+    before = _fingerprint(saved)
+    assert main([*TINY, "--steps", "2", "--save-dir", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert f"--save-dir '{saved}' holds checkpoints of an earlier run (global_step2, global_step4)" in err
+    assert "add --resume" in err
+    assert _fingerprint(saved) == before
+
+
+def test_consolidating_into_a_checkpoint_is_refused_and_it_still_verifies(saved, tmp_path):
+    before = _fingerprint(saved)
+    inside = saved / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    for out in (inside, saved / "global_step2" / "new.pt", saved / "latest"):
+        with pytest.raises(CheckpointError, match="checkpoint"):
+            consolidate(saved, out)
+    assert _fingerprint(saved) == before
+    consolidate(saved, tmp_path / "model.pt")  # beside it, not inside: written
+    assert (tmp_path / "model.pt").stat().st_size > 0
+
+
+def _engine() -> infinity.InfinityEngine:
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=config(micro_bs=2))
+    train_steps(engine, batches("gpt", 2), 1)
+    return engine
+
+
+@pytest.mark.parametrize("tag", ["latest", ".", "..", "a/b", "../escaped", ".hidden"])
+def test_a_tag_that_is_not_a_plain_folder_name_is_refused_before_anything_is_written(tmp_path, tag):
+    engine = _engine()
+    try:
+        with pytest.raises(CheckpointError, match="is not a plain folder name"):
+            engine.save_checkpoint(str(tmp_path / "ck"), tag=tag)
+    finally:
+        engine.close()
+    assert not (tmp_path / "ck").exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_tag_naming_a_folder_that_is_not_a_checkpoint_is_refused_and_the_folder_kept(tmp_path):
+    mine = tmp_path / "ck" / "best"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    engine = _engine()
+    try:
+        with pytest.raises(CheckpointError, match="exists and is not a checkpoint"):
+            engine.save_checkpoint(str(tmp_path / "ck"), tag="best")
+        engine.save_checkpoint(str(tmp_path / "ck"), tag="global_step1")  # a checkpoint beside it is fine
+        engine.save_checkpoint(str(tmp_path / "ck"), tag="global_step1")  # and re-saving a checkpoint's tag
+    finally:
+        engine.close()
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_from_a_newer_format_is_refused_by_name(tmp_path):
+    engine = _engine()
+    folder = Path(engine.save_checkpoint(str(tmp_path / "ck")))
+    manifest = folder / MANIFEST.format(rank=0)
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "format_version": 99}))
+    try:
+        with pytest.raises(CheckpointError, match="format 99, written by a newer infinity"):
+            engine.load_checkpoint(str(tmp_path / "ck"))
+        manifest.write_text(json.dumps({**data, "global_steps": None}))
+        with pytest.raises(CheckpointError, match="'global_steps' is None"):
+            engine.load_checkpoint(str(tmp_path / "ck"))
+    finally:
+        engine.close()
+
+
+def _hf_like(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_the_hugging_face_output_replaces_only_a_new_empty_or_hugging_face_folder(tmp_path):
+    model, save_dir = _hf_like(tmp_path / "model"), tmp_path / "runs"
+    check_hf_output(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    check_hf_output(tmp_path / "empty")
+    check_hf_output(_hf_like(tmp_path / "earlier"), keep=(model, save_dir))
+    refused = {
+        model: "is, holds or is inside",  # the source model itself
+        save_dir / "hf": "is, holds or is inside",  # inside the checkpoints
+        tmp_path: "is, holds or is inside",  # holding the model
+    }
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    refused[mine] = "not a Hugging Face model folder (it holds notes.txt)"
+    (tmp_path / "a_file").write_text("x")
+    refused[tmp_path / "a_file"] = "is a file"
+    for out, why in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            check_hf_output(out, keep=(model, save_dir))
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_resuming_another_models_checkpoints_names_the_mismatch_and_offers_none_of_them(saved, capsys):
+    before = _fingerprint(saved)
+    args = ["train", "--model", "small", "--offload", "cpu", "--seq", "16", "--steps", "6", "--save-dir", str(saved)]
+    assert main([*args, "--resume"]) == ExitCode.CHECKPOINT
+    err = capsys.readouterr().err
+    assert "holds a different model" in err and "infinity consolidate" in err and "--resume-tag" not in err
+    assert _fingerprint(saved) == before
