@@ -185,3 +185,35 @@ def test_a_host_budget_smaller_than_the_host_homed_shards_is_refused_before_anyt
     engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=cfg)
     assert engine.tiers.stats()["host"]["high_water_bytes"] >= needed
     engine.close()
+
+
+def _bad_arguments():
+    model = make_model("gpt")
+    other = make_model("gpt")
+    yield "model", {"model": "gpt"}, TypeError, "model must be a torch.nn.Module, got str"
+    yield "config", {"model": model, "config": 5}, TypeError, "config must be a dict, a path to a JSON file"
+    yield "params", {"model": model, "model_parameters": 5}, TypeError, "model_parameters must be an iterable"
+    foreign = torch.optim.AdamW(other.parameters())
+    yield "foreign optimizer", {"model": model, "optimizer": foreign}, ValueError, "the optimizer holds tensors that"
+    foreign_group = [{"params": other.parameters(), "lr": 1e-3}]
+    yield "foreign group", {"model": model, "model_parameters": foreign_group}, ValueError, "model_parameters holds"
+    yield "scheduler", {"model": model, "lr_scheduler": 5}, TypeError, "lr_scheduler must be a scheduler"
+
+
+@pytest.mark.parametrize("case", list(_bad_arguments()), ids=lambda c: c[0])
+def test_arguments_initialize_cannot_train_with_are_named_up_front(case):
+    _, kwargs, kind, message = case
+    kwargs.setdefault("config", config(micro_bs=2))
+    with pytest.raises(kind, match=re.escape(message)):
+        infinity.initialize(**kwargs)
+
+
+def test_param_groups_given_as_generators_are_read_once_and_trained():
+    model = make_model("gpt")
+    groups = [{"params": (p for p in model.parameters()), "weight_decay": 0.0}]
+    engine = infinity.initialize(model=model, model_parameters=groups, config=config(micro_bs=2))[0]
+    try:
+        trained = sum(f.numel for f in engine.flats if f.requires_grad)
+        assert trained == sum(p.numel() for p in make_model("gpt").parameters())  # every group's parameter, once
+    finally:
+        engine.close()
