@@ -144,3 +144,20 @@ def test_resuming_another_models_checkpoints_names_the_mismatch_and_offers_none_
     err = capsys.readouterr().err
     assert "holds a different model" in err and "infinity consolidate" in err and "--resume-tag" not in err
     assert _fingerprint(saved) == before
+
+
+def test_an_incomplete_latest_is_named_as_incomplete_with_the_checkpoints_there(saved, tmp_path, capsys):
+    import shutil
+
+    copy = Path(shutil.copytree(saved, tmp_path / "ck"))
+    (copy / "global_step4" / MANIFEST.format(rank=0)).unlink()
+    assert main(["consolidate", str(copy), str(tmp_path / "out.pt")]) == ExitCode.CHECKPOINT
+    err = capsys.readouterr().err
+    assert f"checkpoint '{copy / 'global_step4'}' has no manifest_rank0.json: it is incomplete" in err
+    assert "checkpoints there: global_step2; name one with --tag TAG" in err
+
+
+def test_a_save_dir_under_a_file_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main([*TINY, "--steps", "1", "--save-dir", str(tmp_path / "afile" / "x")]) == ExitCode.PATH
+    assert f"its existing parent '{tmp_path / 'afile'}' is a file, not a folder" in capsys.readouterr().err

@@ -17,6 +17,8 @@ from infinity.config.sizes import ITEMSIZE
 
 def _unwritable(folder: Path) -> str:
     """Why files cannot be created in `folder`, or ''."""
+    if not folder.is_dir():
+        return "is a file, not a folder"
     if os.access(folder, os.W_OK | os.X_OK):
         return ""
     if os.statvfs(folder).f_flag & os.ST_RDONLY:

@@ -257,6 +257,11 @@ def resolve_folder(
         folder = root / f".{tag}.old"  # a re-save of this tag was interrupted between its two renames
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint '{root / tag}' does not exist; {_no_checkpoint_hint(root, tag_hint)}")
+    if not (folder / MANIFEST.format(rank=0)).is_file():
+        raise CheckpointError(
+            f"checkpoint '{folder}' has no {MANIFEST.format(rank=0)}: it is incomplete or not a checkpoint; "
+            f"{_no_checkpoint_hint(root, tag_hint)}"
+        )
     return folder
 
 
