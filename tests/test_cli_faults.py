@@ -256,6 +256,80 @@ def test_a_host_budget_below_the_cpu_offloaded_states_fails_before_training(tmp_
     assert "step" not in done.stdout
 
 
+# -- flag values and data files ------------------------------------------------------------------------------
+
+
+def _refused_flag(done: subprocess.CompletedProcess, command: str, flag: str, *named: str) -> str:
+    """argparse's refusal of a flag's value: exit code 2, no traceback, the last line naming the flag."""
+    assert done.returncode == ExitCode.USAGE, f"exit code {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"infinity {command}: error: argument {flag}: "), line
+    for text in named:
+        assert text in line, line
+    return line
+
+
+@pytest.mark.parametrize(
+    "name,content,named",
+    [
+        ("latin1.txt", "Ce qu'on conçoit bien\n".encode("latin-1") * 20, "byte 0xe7 at offset 12"),
+        ("noise.bin", bytes(range(128, 256)) * 8, "byte 0x80 at offset 0"),
+    ],
+)
+def test_data_that_is_not_utf8_is_named_with_the_offset_of_its_first_bad_byte(tmp_path, name, content, named):
+    (tmp_path / name).write_bytes(content)
+    done = _infinity([*TINY_CPU, "--steps", "1", "--data", name], tmp_path)
+    _fails(done, ExitCode.USAGE, f"'{name}' is not UTF-8 text", named, "UTF-8 plain text or JSON lines")
+    assert "step" not in done.stdout
+
+
+def test_data_naming_a_folder_says_it_is_a_folder(tmp_path):
+    (tmp_path / "texts").mkdir()
+    done = _infinity([*TINY_CPU, "--steps", "1", "--data", "texts"], tmp_path)
+    line = _fails(done, ExitCode.USAGE, "'texts' is a folder, not a file")
+    assert "does not exist" not in line
+
+
+@pytest.mark.parametrize("params", ["-5", "nan", "inf", "0", "0.5"])
+def test_estimate_refuses_a_parameter_count_that_no_model_has(tmp_path, params):
+    done = _infinity(["estimate", f"--params={params}"], tmp_path)
+    _fails(done, ExitCode.USAGE, "--params must be a positive finite number of parameters")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("world_size", ["0", "-3"])
+def test_config_refuses_a_world_size_below_one(tmp_path, world_size):
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}')
+    done = _infinity(["config", "ds.json", "--world-size", world_size], tmp_path)
+    _fails(done, ExitCode.USAGE, f"--world-size must be >= 1, got {world_size}")
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+@pytest.mark.parametrize(
+    "flag,value,named",
+    [
+        ("--seq", "-3", "must be an integer >= 1, got -3"),
+        ("--seq", "0", "must be an integer >= 1, got 0"),
+        ("--seed", "99999999999999999999999", "must be an integer in [0, 2**63 - 1]"),
+        ("--seed", "-1", "must be an integer in [0, 2**63 - 1]"),
+    ],
+)
+def test_train_and_tune_refuse_a_sequence_length_or_seed_out_of_range(tmp_path, command, flag, value, named):
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2}')
+    args = [*TINY_CPU, "--steps", "2"] if command == "train" else ["tune", "--config", "ds.json", "--model", "tiny"]
+    done = _infinity([*args, flag, value], tmp_path)
+    _refused_flag(done, command, flag, named)
+    assert "step" not in done.stdout
+
+
+def test_tune_refuses_a_sequence_longer_than_the_preset_before_any_trial(tmp_path):
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2}')
+    done = _infinity(["tune", "--config", "ds.json", "--model", "tiny", "--seq", "100000"], tmp_path)
+    _fails(done, ExitCode.USAGE, "--seq 100000 exceeds the 'tiny' preset's block_size 32")
+    assert done.stdout == ""
+
+
 # -- a save that cannot finish --------------------------------------------------------------------------------
 
 

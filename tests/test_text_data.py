@@ -96,6 +96,34 @@ def test_a_missing_file_is_named(tmp_path):
         load_tokens(tmp_path / "nothing.txt", ByteTokenizer())
 
 
+def test_a_folder_is_named_as_a_folder_not_as_missing(tmp_path):
+    (tmp_path / "texts").mkdir()
+    with pytest.raises(DataError, match="'.*texts' is a folder, not a file") as info:
+        load_tokens(tmp_path / "texts", ByteTokenizer())
+    assert "does not exist" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name,content,offset,byte",
+    [
+        ("latin1.txt", "na\u00efve caf\u00e9\n".encode("latin-1"), 2, 0xEF),
+        ("binary.bin", b"\x00\x01PK\x03\x04\xff\xfe", 6, 0xFF),
+        ("late.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 28, 0xE9),
+        # a two-byte character straddles the decoder's 1 MiB chunks before the bad byte; the offset is the file's
+        ("straddle.txt", b"x" + "\u00e9".encode() * (1 << 19) + b"\xc3(", 1 + (1 << 20), 0xC3),
+        ("cut.txt", b"abc\xe2\x82", 3, 0xE2),  # the file ends inside a character
+    ],
+)
+def test_a_file_that_is_not_utf8_is_named_with_the_offset_of_its_first_bad_byte(tmp_path, name, content, offset, byte):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=f"'.*{name}' is not UTF-8 text: byte 0x{byte:02x} at offset {offset} ") as info:
+        load_tokens(path, ByteTokenizer())
+    assert "UTF-8 plain text or JSON lines" in str(info.value)
+    content[:offset].decode("utf-8")  # the reference: all before the offset decodes
+    assert _cache_files(path) == []
+
+
 def test_two_ranks_batches_together_are_the_one_rank_batches():
     tokens = torch.arange(10 * 8)
     one = PackedBatches(tokens, 4, 8, seed=3)

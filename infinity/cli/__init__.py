@@ -73,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace) -> int:
     from infinity.cli.estimate import config_fit_line, meta_model
     from infinity.cli.train import build_config
-    from infinity.config import resolve_batch_sizes
+    from infinity.config import ConfigError, resolve_batch_sizes
 
+    if args.world_size < 1:  # before the batch-size arithmetic divides by it
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
     args.config = args.file
     model = meta_model(args.model)
     cfg = build_config(args, model.hidden_size, model.block_classes)

@@ -5,6 +5,7 @@ Hugging Face model folder as `infinity train` would build it, on the meta device
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +99,18 @@ def model_size(args: argparse.Namespace) -> tuple[ModelSize, str]:
     return size, label
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_counts(args: argparse.Namespace) -> None:
+    """ConfigError unless the counts given are ones a model and a machine can have."""
     if args.gpus < 1 or args.nodes < 1 or args.accumulation < 1:
         raise ConfigError("--gpus, --nodes and --accumulation must be >= 1")
+    for flag, value in (("--params", args.params), ("--largest-layer-params", args.largest_layer_params)):
+        if value is not None and not (math.isfinite(value) and value >= 1):
+            raise ConfigError(f"{flag} must be a positive finite number of parameters, got {value:g}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the stage table, what fits this machine and the largest model that fits; 0, or ConfigError."""
+    _check_counts(args)
     size, label = model_size(args)
     dtype_bytes = _DTYPE_BYTES[args.dtype]
     clip = not args.no_clip or args.dtype == "fp16"

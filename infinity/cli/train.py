@@ -60,6 +60,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from infinity.cli.arg_types import positive_int, seed
+
     parser.add_argument("--config", help="a DeepSpeed-style JSON config (default: the embedded one)")
     parser.add_argument(
         "--model",
@@ -70,7 +72,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-hf", help="also write the trained model as a Hugging Face folder DIR (--model FOLDER)")
     parser.add_argument("--lr", type=float, help=f"peak learning rate (default: {LR}, {LR_PRETRAINED} for a folder)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total (resume included)")
-    parser.add_argument("--seq", type=int, help=f"tokens per sequence (default: {DEFAULT_SEQ}, at most the preset's)")
+    parser.add_argument(
+        "--seq", type=positive_int, help=f"tokens per sequence (default: {DEFAULT_SEQ}, at most the preset's)"
+    )
     parser.add_argument("--save-dir", default=DEFAULT_SAVE_DIR, help="where checkpoints are written")
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
@@ -85,7 +89,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--offload", choices=("none", "cpu", "nvme"), help="override offload_param and offload_optimizer devices"
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (default: the config's)")
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=seed, default=1234, help="random seed, in [0, 2**63 - 1] (default: 1234)")
     parser.add_argument(
         "--profile",
         action="store_true",

@@ -22,6 +22,7 @@ DEFAULT_TRIAL_STEPS = 6
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    from infinity.cli.arg_types import positive_int, seed
     from infinity.cli.train import DEFAULT_MODEL
     from infinity.models.gpt import GPT_PRESETS
     from infinity.tuning.knobs import ORDER
@@ -45,7 +46,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knobs", help="comma-separated subset to search (default: all that apply): " + ", ".join(ORDER)
     )
-    parser.add_argument("--seq", type=int, help="tokens per sequence, as `infinity train --seq`")
+    parser.add_argument("--seq", type=positive_int, help="tokens per sequence, as `infinity train --seq`")
     parser.add_argument("--nvme-path", help="folder for the trials' NVMe swap files (default: the config's)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype, as `infinity train --dtype`")
     parser.add_argument("--out", help="where to write the tuned config (default: <config stem>.tuned.json beside it)")
@@ -53,7 +54,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fresh-process", action="store_true", help="start a new process for every trial (slower, more isolated)"
     )
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=seed, default=1234, help="random seed, as `infinity train --seed`")
 
 
 def tuned_path(config: str | Path) -> Path:
@@ -104,6 +105,9 @@ def _job(args: argparse.Namespace, work_dir: Path):
         raise ConfigError("--steps must be >= 2: the first step of a trial is a warm-up and is not timed")
     if args.budget_minutes <= 0:
         raise ConfigError("--budget-minutes must be > 0")
+    block_size = gpt_preset(args.model).block_size
+    if args.seq is not None and args.seq > block_size:  # as `infinity train` refuses it, before any trial
+        raise ConfigError(f"--seq {args.seq} exceeds the '{args.model}' preset's block_size {block_size}")
     load_config(args.config)  # the file's own errors (missing, not JSON, bad keys), named, before anything runs
     raw = json.loads(Path(args.config).read_text())
     ns = argparse.Namespace(config=raw, offload=None, nvme_path=args.nvme_path, dtype=args.dtype, steps=args.steps)

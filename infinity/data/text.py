@@ -16,6 +16,7 @@ seeded order, rank-sliced and resumable like `ByteBatches`.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -61,9 +62,38 @@ class HFTokenizer:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def _not_utf8_error(path: Path) -> DataError:
+    """The DataError naming `path`'s first byte that is not UTF-8 (the file is decoded again from its start)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # of the next chunk in the file
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            held = len(decoder.getstate()[0])  # the start of a character cut at the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                return DataError(
+                    f"'{path}' is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset "
+                    f"{offset - held + exc.start} cannot be decoded; a data file must be UTF-8 plain text or "
+                    "JSON lines (convert it, e.g. `iconv -f latin1 -t utf-8`)"
+                )
+            if not chunk:
+                return DataError(f"'{path}' could not be decoded as UTF-8 (did it change while it was read?)")
+            offset += len(chunk)
+
+
 def iter_documents(path: Path) -> Iterator[tuple[str, bool]]:
     """(text, starts a document) pieces of the file: each JSON line's `text`, or the plain text in pieces of
-    about `_PLAIN_PIECE_CHARS` cut after a newline (so a large file is never one string)."""
+    about `_PLAIN_PIECE_CHARS` cut after a newline (so a large file is never one string). A byte that is
+    not UTF-8 raises DataError naming its offset."""
+    try:
+        yield from _read_documents(path)
+    except UnicodeDecodeError as exc:
+        raise _not_utf8_error(path) from exc
+
+
+def _read_documents(path: Path) -> Iterator[tuple[str, bool]]:
     with path.open("r", encoding="utf-8") as f:
         head = f.read(1)
         f.seek(0)
@@ -166,8 +196,11 @@ def _write_atomically(path: Path, write: Callable[[Any], None], mode: str = "wb"
 def load_tokens(path: str | os.PathLike, tokenizer, say: Callable[[str], None] = print) -> torch.Tensor:
     """`path` tokenized by `tokenizer` (ByteTokenizer or HFTokenizer), from its cache when one is valid."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file '{path}' is a folder, not a file; give a plain text or JSON lines file")
     if not path.is_file():
-        raise DataError(f"data file '{path}' does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise DataError(f"data file '{path}' {what}; give a plain text or JSON lines file")
     tokens_path, sidecar, source_hash = cache_paths(path, tokenizer)
     tokens = _read_cache(tokens_path, sidecar)
     if tokens is None:
