@@ -17,6 +17,8 @@ from infinity.profiler.plots import bandwidth_bins
 from infinity.profiler.synthetic import SCENARIOS, write_scenario
 from infinity.profiler.traces import load_traces
 
+pytest_plugins = ["storage_fixtures"]  # a real read-only directory: a read-only bind mount
+
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -140,3 +142,62 @@ def test_cli_checks_the_top_prediction_against_a_run_with_the_change_made(tmp_pa
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("what-if check, the optimizer step overlapped with backward: predicted step ")
     assert "measured" in last and "predicted saving off by" in last
+
+
+def _one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def _not_utf8(path: Path) -> Path:
+    path.write_bytes(b'{"type": "meta", "rank": 0, "t0_ns": 1, "settings": {}, "note": "\xff"}\n')
+    return path
+
+
+@pytest.mark.parametrize("bad", ["empty", "missing", "not_utf8.jsonl"])
+def test_against_traces_that_cannot_be_read_are_named_as_the_main_ones_are(tmp_path: Path, capsys, bad) -> None:
+    write_scenario(str(tmp_path / "clipped"), SCENARIOS["clipped"])  # a report with a prediction to check
+    (tmp_path / "empty").mkdir()
+    _not_utf8(tmp_path / "not_utf8.jsonl")
+    assert main([str(tmp_path / bad), "--no-plots"]) == 2
+    as_main = _one_error_line(capsys).removeprefix("infinity profile: ")
+    args = [str(tmp_path / "clipped"), "--no-plots", "--out", str(tmp_path / "r"), "--against", str(tmp_path / bad)]
+    assert main(args) == 2
+    assert _one_error_line(capsys) == f"infinity profile: --against: {as_main}"
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_a_trace_that_is_not_utf8_is_named_with_its_line_and_offset(tmp_path: Path, capsys) -> None:
+    path = _not_utf8(tmp_path / "trace_rank0.jsonl")
+    assert main([str(path), "--no-plots"]) == 2
+    assert _one_error_line(capsys) == (
+        f"infinity profile: {path}:1: byte 0xff at offset {path.read_bytes().index(0xFF)} is not UTF-8; a trace is "
+        "UTF-8 JSON lines written by the infinity profiler"
+    )
+
+
+def test_a_meta_line_whose_settings_is_not_an_object_is_named(tmp_path: Path, capsys) -> None:
+    path = write_known_step(tmp_path)
+    meta, rest = path.read_text().split("\n", 1)
+    path.write_text(json.dumps({**json.loads(meta), "settings": "x"}) + "\n" + rest)
+    assert main([str(path), "--no-plots"]) == 2
+    line = _one_error_line(capsys)
+    assert f"{path}:1: the meta line's 'settings' is \"x\", needs a JSON object" in line
+
+
+def test_an_out_that_is_a_file_is_named_and_left_alone(two_ranks: Path, capsys) -> None:
+    (two_ranks / "summary.txt").write_text("mine")
+    assert main([str(two_ranks), "--no-plots", "--out", str(two_ranks / "summary.txt")]) == 3
+    line = _one_error_line(capsys)
+    assert f"--out '{two_ranks / 'summary.txt'}' is a file, not a folder; give a folder" in line
+    assert (two_ranks / "summary.txt").read_text() == "mine"
+
+
+def test_a_read_only_out_is_named_with_what_to_do(two_ranks: Path, capsys, read_only_dir: Path) -> None:
+    assert main([str(two_ranks), "--no-plots", "--out", str(read_only_dir / "report")]) == 3
+    line = _one_error_line(capsys)
+    assert f"--out '{read_only_dir / 'report'}'" in line and "read-only filesystem" in line
+    assert "give --out a writable folder" in line
+

@@ -204,6 +204,42 @@ def test_a_bad_line_in_the_middle_is_an_error_naming_the_line(tmp_path: Path) ->
         load_traces([path])
 
 
+def test_a_byte_that_is_not_utf8_is_an_error_naming_the_file_line_and_offset(tmp_path: Path) -> None:
+    path = write_known_step(tmp_path)
+    data = path.read_bytes()
+    third = data.index(b"\n", data.index(b"\n") + 1) + 1  # the third line's first byte
+    path.write_bytes(data[: third + 5] + b"\xff" + data[third + 6 :])
+    with pytest.raises(ValueError, match=rf"trace_rank0.jsonl:3: byte 0xff at offset {third + 5} is not UTF-8"):
+        load_traces([path])
+
+
+def test_a_last_line_cut_inside_a_character_is_skipped_as_a_cut_line(tmp_path: Path) -> None:
+    path = write_known_step(tmp_path)
+    path.write_bytes(path.read_bytes() + '{"type":"move","key":"\u00e9'.encode()[:-1])  # half of a 2-byte character
+    trace = load_traces([path])[0]
+    assert trace.truncated and bytes_by_pair([trace])["nvme->host"] == 200_000_000
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("settings", "x", """'settings' is "x", needs a JSON object"""),
+        ("settings", {"offload_param": "nvme"}, """'settings.offload_param' is "nvme", needs a JSON object"""),
+        ("rank", "0", """'rank' is "0", needs an integer"""),
+        ("t0_ns", None, "has no 't0_ns'"),
+    ],
+)
+def test_a_meta_line_the_reader_cannot_use_is_an_error_naming_the_file_and_field(
+    tmp_path: Path, field: str, value, named: str
+) -> None:
+    path = write_known_step(tmp_path)
+    meta, rest = path.read_text().split("\n", 1)
+    path.write_text(json.dumps({**json.loads(meta), field: value}) + "\n" + rest)
+    with pytest.raises(ValueError, match="trace_rank0.jsonl:1: the meta line") as info:
+        load_traces([path])
+    assert named in str(info.value)
+
+
 def test_a_step_cut_by_a_crash_is_reported_from_its_events(tmp_path: Path) -> None:
     w = TraceWriter(tmp_path, 0, 1, SETTINGS)
     w.begin_step(3, B)

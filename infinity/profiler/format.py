@@ -52,6 +52,7 @@ field or a changed meaning raises `VERSION`. FORMAT.md next to this file has the
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 VERSION = 1
@@ -113,6 +114,31 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "rss": {"bytes": int, "t_ns": int},
 }
 SPAN_TYPES = ("step", "phase", "move", "stall", "collective", "compute")
+# Meta fields a reader cannot do without (the rank and its clock), and those that must have this type where
+# present (the version is checked by `analysis.validate`, which reports a mismatch as a problem).
+META_REQUIRED = ("rank", "t0_ns")
+META_TYPES: dict[str, type] = {"rank": int, "world_size": int, "t0_ns": int, "t0_unix_ns": int, "settings": dict,
+                               "raw_disk": dict}  # fmt: skip
+SETTINGS_SECTIONS = ("offload_param", "offload_optimizer", "aio")
+_JSON_TYPE = {int: "an integer", dict: "a JSON object"}
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """Why the meta line `meta` cannot be read (a field the reader needs is missing or of the wrong type), or
+    None. Null optional fields are fine; `settings` and its sections must be objects where present."""
+    for name in META_REQUIRED:
+        if meta.get(name) is None:
+            return f"the meta line has no {name!r}"
+    fields = [(name, meta.get(name), kind) for name, kind in META_TYPES.items()]
+    settings = meta.get("settings")
+    if isinstance(settings, dict):
+        fields += [(f"settings.{name}", settings.get(name), dict) for name in SETTINGS_SECTIONS]
+    for name, value, kind in fields:
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            return f"the meta line's {name!r} is {shown}, needs {_JSON_TYPE[kind]}"
+    return None
 
 
 def trace_filename(rank: int) -> str:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from infinity.profiler.format import tier_pair
+from infinity.profiler.format import meta_problem, tier_pair
 
 Record = dict[str, Any]
 
@@ -88,18 +88,54 @@ class RankTrace:
         return list(dict.fromkeys(tier_pair(r["src"], r["dst"]) for r in self.of("move")))
 
 
+@dataclass(frozen=True)
+class _NotUtf8:
+    """A line that is not UTF-8: its first bad byte and that byte's offset in the file."""
+
+    offset: int
+    byte: int
+    cut: bool  # the line ends inside a character, as a writer that died mid-line leaves it
+
+
+def _text_lines(path: str) -> list[tuple[int, str | _NotUtf8]]:
+    """(line number, text) of the file's non-blank lines, a line that is not UTF-8 as _NotUtf8."""
+    lines: list[tuple[int, str | _NotUtf8]] = []
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                cut = exc.reason == "unexpected end of data"
+                lines.append((n, _NotUtf8(offset + exc.start, raw[exc.start], cut)))
+            else:
+                if text.strip():
+                    lines.append((n, text))
+            offset += len(raw)
+    return lines
+
+
 def load_trace(path: str | os.PathLike) -> RankTrace:
-    """Read one rank's file; raises ValueError naming the line for a bad line other than a cut last one."""
+    """Read one rank's file; raises ValueError naming the file and line for a bad line other than a cut last
+    one (not JSON, not UTF-8, not a record) and for a meta line the reader cannot use."""
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    lines = _text_lines(path)
     trace: RankTrace | None = None
     truncated = False
     for i, (n, line) in enumerate(lines):
+        last = i == len(lines) - 1
+        if isinstance(line, _NotUtf8):
+            if last and line.cut:  # the writer died inside a character
+                truncated = True
+                break
+            raise ValueError(
+                f"{path}:{n}: byte 0x{line.byte:02x} at offset {line.offset} is not UTF-8; a trace is UTF-8 JSON "
+                "lines written by the infinity profiler"
+            )
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:  # the writer died mid-line
+            if last:  # the writer died mid-line
                 truncated = True
                 break
             raise ValueError(f"{path}:{n}: not a JSON line ({exc}); only the last line of a trace may be cut") from exc
@@ -108,6 +144,8 @@ def load_trace(path: str | os.PathLike) -> RankTrace:
         if trace is None:
             if record["type"] != "meta":
                 raise ValueError(f"{path}:{n}: the first record must be 'meta', got {record['type']!r}")
+            if problem := meta_problem(record):
+                raise ValueError(f"{path}:{n}: {problem}; is this a trace written by the infinity profiler?")
             trace = RankTrace(path, record)
         else:
             trace.records[record["type"]].append(record)
