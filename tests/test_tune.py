@@ -415,6 +415,21 @@ def test_tune_reports_bad_input_and_exits_2(tmp_path, capsys):
     assert "unknown knob 'depth'" in capsys.readouterr().err
 
 
+def test_tune_refuses_an_out_or_work_dir_it_could_not_write_before_any_trial(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["--out", str(tmp_path / "afile" / "t.json")], "--out", "is a file, not a folder"),
+        (["--out", str(tmp_path)], "--out", "is a folder, not a file"),
+        (["--work-dir", str(tmp_path / "afile")], "--work-dir", "is a file, not a folder"),
+    ]
+    for extra, flag, why in cases:
+        assert main(["tune", "--config", str(path), "--model", "tiny", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(f"infinity tune: {flag} '") and why in err and "knobs:" not in out  # no trial ran
+
+
 def test_profile_command_reads_traces(tmp_path, capsys):
     write_scenario(str(tmp_path / "traces"), SCENARIOS["starved"])
     assert main(["profile", str(tmp_path / "traces"), "--no-plots", "--out", str(tmp_path / "report")]) == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -153,12 +154,31 @@ def _train_command(args: argparse.Namespace, out: Path) -> str:
     return " ".join(cmd)
 
 
+def _unwritable(path: Path, folder: bool) -> str:
+    """Why a file (or, with `folder`, a folder) cannot be written at `path`, or '': missing folders are made."""
+    if path.exists() and path.is_dir() != folder:
+        return "is a folder, not a file" if path.is_dir() else "is a file, not a folder"
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if existing != path.absolute() and not existing.is_dir():
+        return f"cannot be made: '{existing}' is a file, not a folder"
+    writable_in = existing if existing.is_dir() else existing.parent
+    if not os.access(writable_in, os.W_OK | os.X_OK):
+        return f"cannot be written: '{writable_in}' is not writable (permissions or a read-only filesystem)"
+    return ""
+
+
 def run_tune(args: argparse.Namespace) -> int:
     """Tune per `args`; 0 when a tuned config was written, 1 when the baseline failed, 2 for bad input."""
     from infinity.config import ConfigError
     from infinity.tuning.report import describe_changes, format_table
     from infinity.tuning.tuner import Tuner, tuned_config
 
+    out = Path(args.out) if args.out else tuned_path(args.config)
+    for flag, path, folder in (("--out", out, False), ("--work-dir", Path(args.work_dir or "."), True)):
+        problem = _unwritable(path, folder)
+        if problem:  # found before the trials, not after them
+            print(f"infinity tune: {flag} '{path}' {problem}", file=sys.stderr)
+            return 2
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="infinity-tune-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -192,7 +212,7 @@ def run_tune(args: argparse.Namespace) -> int:
                 f"best: {describe_changes(outcome.start, outcome.best)}; median step {search.best.median_s:.4f} s "
                 f"vs {search.baseline.median_s:.4f} s as given ({speedup:.2f}x; {noise})"
             )
-        out = Path(args.out) if args.out else tuned_path(args.config)
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(tuned_config(job.raw, job.knobs, outcome.start, outcome.best), indent=2) + "\n")
         print(f"wrote {out}")
         print(f"train with it: {_train_command(args, out)}")
