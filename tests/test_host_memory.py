@@ -123,7 +123,7 @@ def test_the_command_restarts_with_huge_pages_for_a_budgeted_run_and_an_engine_w
     assert done.returncode == 0, done.stdout + done.stderr
     assert NOTICE not in done.stderr, done.stderr  # restarted with the tunable: nothing to advise
     # the same run in a process that may not restart itself (an in-process caller): the engine advises
-    code = _in_process(args, env)
+    code = _in_process([*args[:-1], str(tmp_path / "runs2")], env)  # a run of its own: runs/ holds the first's
     assert code.returncode == 0, code.stdout + code.stderr
     assert NOTICE in code.stderr and "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in code.stderr
 
