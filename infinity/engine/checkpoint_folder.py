@@ -280,11 +280,6 @@ def _manifest_problem(manifest: Any, rank: int) -> str:
     version = manifest.get("format_version", 1)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         return f"its 'format_version' is {version!r}, not a positive integer"
-    if version > FORMAT_VERSION:
-        return (
-            f"it is in format {version}, written by a newer infinity (this one reads formats up to {FORMAT_VERSION}): "
-            "load it with that version, or upgrade infinity"
-        )
     steps = manifest.get("global_steps", 0)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         return f"its 'global_steps' is {steps!r}, not a step number"
@@ -310,6 +305,11 @@ def read_manifest(folder: Path, rank: int) -> dict[str, Any]:
     problem = _manifest_problem(manifest, rank)
     if problem:
         raise CheckpointError(f"checkpoint manifest '{path}' is damaged: {problem}")
+    if manifest.get("format_version", 1) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint '{folder}' is in format {manifest['format_version']}, written by a newer infinity (this one "
+            f"reads formats up to {FORMAT_VERSION}): load it with that version, or upgrade infinity"
+        )
     return manifest
 
 
