@@ -22,12 +22,20 @@ import sys
 COMMANDS = ("train", "config", "consolidate", "estimate", "profile", "tune")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusal of a flag is one line on stderr (exit code 2), as every other user error
+    is, instead of the usage block and then the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     from infinity.cli import estimate
     from infinity.cli.faults import EXIT_CODES_HELP
     from infinity.cli.train import DEFAULT_MODEL, DEFAULT_STEPS, add_train_arguments
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="infinity",
         description="Train models larger than your hardware.",
         epilog=EXIT_CODES_HELP,
