@@ -26,6 +26,20 @@ def _unwritable(folder: Path) -> str:
     return "is not writable by this user"
 
 
+def write_problem(path: Path, folder: bool) -> str:
+    """Why a folder (`folder`) or a file could not be written at `path`, the missing folders on the way made;
+    '' if it could. Nothing is created."""
+    target = path.absolute()
+    if target.exists() and target.is_dir() != folder:
+        return "is a folder, not a file" if target.is_dir() else "is a file, not a folder"
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if existing != target and not existing.is_dir():
+        return f"cannot be made: '{existing}' is a file, not a folder"
+    writable_in = existing if existing.is_dir() else existing.parent
+    why = _unwritable(writable_in)
+    return f"cannot be written: '{writable_in}' {why}" if why else ""
+
+
 def prepare_nvme_folders(cfg: InfinityConfig, from_flag: bool) -> None:
     """Create each NVMe offload folder that is missing; refuse one that is a file or cannot be written."""
     z = cfg.zero_optimization

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -154,28 +153,16 @@ def _train_command(args: argparse.Namespace, out: Path) -> str:
     return " ".join(cmd)
 
 
-def _unwritable(path: Path, folder: bool) -> str:
-    """Why a file (or, with `folder`, a folder) cannot be written at `path`, or '': missing folders are made."""
-    if path.exists() and path.is_dir() != folder:
-        return "is a folder, not a file" if path.is_dir() else "is a file, not a folder"
-    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
-    if existing != path.absolute() and not existing.is_dir():
-        return f"cannot be made: '{existing}' is a file, not a folder"
-    writable_in = existing if existing.is_dir() else existing.parent
-    if not os.access(writable_in, os.W_OK | os.X_OK):
-        return f"cannot be written: '{writable_in}' is not writable (permissions or a read-only filesystem)"
-    return ""
-
-
 def run_tune(args: argparse.Namespace) -> int:
     """Tune per `args`; 0 when a tuned config was written, 1 when the baseline failed, 2 for bad input."""
+    from infinity.cli.preflight import write_problem
     from infinity.config import ConfigError
     from infinity.tuning.report import describe_changes, format_table
     from infinity.tuning.tuner import Tuner, tuned_config
 
     out = Path(args.out) if args.out else tuned_path(args.config)
     for flag, path, folder in (("--out", out, False), ("--work-dir", Path(args.work_dir or "."), True)):
-        problem = _unwritable(path, folder)
+        problem = write_problem(path, folder)
         if problem:  # found before the trials, not after them
             print(f"infinity tune: {flag} '{path}' {problem}", file=sys.stderr)
             return 2

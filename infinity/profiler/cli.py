@@ -105,19 +105,17 @@ def _inside(filename: str | bytes | None, folder: str) -> bool:
 
 def _out_problem(out: str, given: bool) -> str | None:
     """Why the report folder `out` cannot be created or written, found without creating anything; None if it can."""
+    from pathlib import Path
+
+    from infinity.cli.preflight import write_problem
+
+    problem = write_problem(Path(out), folder=True)
+    if not problem:
+        return None
     name = _out_name(out, given)
-    target = existing = os.path.abspath(out)
-    while not os.path.exists(existing):  # where a missing folder would be created
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        if existing == target:
-            return f"{name} is a file, not a folder; give a folder for the report's files (made if missing)"
-        return f"{name} cannot be made: '{existing}' is a file, not a folder; give another --out folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
-        why = "is on a read-only filesystem" if read_only else "is not writable (its permissions)"
-        return f"cannot write the report into {name}: '{existing}' {why}; give --out a writable folder"
-    return None
+    if problem == "is a file, not a folder":
+        return f"{name} is a file, not a folder; give a folder for the report's files (made if missing)"
+    return f"{name} {problem}; give --out a writable folder"
 
 
 def check_against(report: Report, traces: list[RankTrace]) -> str:
