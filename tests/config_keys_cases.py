@@ -134,17 +134,17 @@ def initialize_and_capture(config: dict) -> dict[str, Any]:
     return {"stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
-def save_16bit(tmp: str, enabled: bool, dtype: str) -> dict[str, Any]:
-    """Train two steps in `dtype`, save a checkpoint and a 16-bit file; the engine's full weights and what
-    save_16bit_model returned."""
+def save_16bit(tmp: str, enabled: bool, dtype: str, stage: int = 3) -> dict[str, Any]:
+    """Train two steps in `dtype` at `stage`, save a checkpoint and a 16-bit file; the engine's full weights
+    and what save_16bit_model returned."""
     rank, world = rank_and_world()
     extra: dict[str, Any] = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
     cfg = config(
         "mlp",
-        offload_param="cpu",
+        offload_param="cpu" if stage == 3 else "none",
         offload_optimizer="cpu",
         extra=extra,
-        extra_zero={"stage3_gather_16bit_weights_on_model_save": enabled},
+        extra_zero={"stage3_gather_16bit_weights_on_model_save": enabled, "stage": stage},
     )
     engine = infinity.initialize(model=make_model("mlp"), config=cfg)[0]
     data = batches("mlp", 2, rank=rank, world_size=world, dtype=engine.compute_dtype)
@@ -179,8 +179,9 @@ def timed_steps(steps: int, wall_clock: bool) -> dict[str, Any]:
             engine.step()
         elapsed = time.perf_counter() - start
         last = dict(engine.wall_clock.last_s)
+        lr, norm = engine.get_lr(), engine.get_global_grad_norm()
         engine.close()
-    return {"stdout": out.getvalue(), "last": last, "elapsed": elapsed}
+    return {"stdout": out.getvalue(), "last": last, "elapsed": elapsed, "lr": lr, "norm": norm}
 
 
 

@@ -97,6 +97,7 @@ def test_train_with_a_deepspeed_config_file_and_overrides(tmp_path, capsys):
             {
                 "train_micro_batch_size_per_gpu": "auto",
                 "gradient_accumulation_steps": 2,
+                "steps_per_print": 1,
                 "gradient_clipping": "auto",
                 "bf16": {"enabled": "auto"},
                 "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto"}},
@@ -108,6 +109,9 @@ def test_train_with_a_deepspeed_config_file_and_overrides(tmp_path, capsys):
     assert main([*args, "--offload", "cpu", "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "batch 16" in out and "bfloat16" in out and "params on cpu, optimizer on cpu" in out
+    # steps_per_print paces the CLI's own progress lines; the engine's step log stays off (one line a step)
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
+    assert "infinity: step" not in out
     assert (tmp_path / "ck" / "latest").read_text() == "global_step3"
 
 

@@ -149,6 +149,17 @@ def test_without_wall_clock_breakdown_nothing_is_timed_or_printed():
     assert "time (ms)" not in result["stdout"] and result["last"] == {}
 
 
+def test_steps_per_print_logs_the_step_its_learning_rates_and_gradient_norm_every_that_many_steps():
+    result = run_distributed(timed_steps, 1, 4, False)[0]
+    lines = [line for line in result["stdout"].splitlines() if line.startswith("infinity: step")]
+    assert [line.split()[2] for line in lines] == ["2", "4"]
+    last = lines[-1]
+    assert "| skipped 0 |" in last
+    assert f"lr [{', '.join(f'{lr:.4e}' for lr in result['lr'])}]" in last
+    assert result["norm"] is not None and result["norm"] > 0  # the config clips at 1.0: the norm is taken
+    assert last.endswith(f"grad norm {result['norm']:.4e}")
+
+
 # -- stage3_gather_16bit_weights_on_model_save --------------------------------------------------------------
 
 
@@ -166,6 +177,20 @@ def test_save_writes_the_consolidated_16bit_weights_when_asked(tmp_path, dtype):
         assert set(saved) == set(state)
         for key, value in state.items():
             assert saved[key].dtype == compute and torch.equal(saved[key], value.to(compute)), key
+
+
+def test_at_stage_2_save_16bit_model_writes_the_weights_without_the_stage3_key(tmp_path):
+    """As DeepSpeed's: the key gates stage 3's gather only; at stages 1-2 every rank holds the weights whole."""
+    from safetensors.torch import load_file
+
+    results = run_distributed(save_16bit, 2, str(tmp_path), False, "bf16", 2)
+    assert all(r["saved"] for r in results) and not any(r["stderr"] for r in results)
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    state = results[0]["state"]
+    assert set(saved) == set(state)
+    for key, value in state.items():
+        assert saved[key].dtype == torch.bfloat16 and torch.equal(saved[key], value.to(torch.bfloat16)), key
+    assert not list(tmp_path.glob("ck/*/pytorch_model.bin"))  # save_checkpoint writes it only when asked
 
 
 def test_without_the_key_no_16bit_file_is_written_and_the_call_says_why(tmp_path):

@@ -151,3 +151,25 @@ def test_a_client_optimizer_and_scheduler_override_the_config_sections_and_say_s
         assert torch.equal(overridden[name], t), name
     assert "'optimizer' is 'Adam'" in printed and "the optimizer passed to initialize" in printed
     assert "'scheduler' is 'WarmupLR'" in printed and "the lr_scheduler passed to initialize" in printed
+
+
+STAGE3_SCHEDULING = {
+    "stage3_prefetch_bucket_size": 1000,
+    "stage3_max_live_parameters": 5000,
+    "stage3_max_reuse_distance": 0,
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage3_scheduling_keys_are_idle_at_stages_1_and_2_train_bit_for_bit_and_are_named(stage):
+    keys = {f"zero_optimization.{k}" for k in STAGE3_SCHEDULING}
+    assert not _noticed(config("mlp", extra_zero=STAGE3_SCHEDULING), world_size=2) & keys  # stage 3: they act
+    plain, quiet = _train(config("mlp", offload_optimizer="cpu", extra_zero={"stage": stage}), client=False)
+    assert "no effect" not in quiet
+    cfg = config("mlp", offload_optimizer="cpu", extra_zero={"stage": stage, **STAGE3_SCHEDULING})
+    assert _noticed(cfg, world_size=2) == keys
+    idle, printed = _train(cfg, client=False)
+    for name, t in plain.items():
+        assert torch.equal(idle[name], t), name
+    for key in keys:
+        assert any(key in line and f"no effect at stage {stage}" in line for line in printed.splitlines()), key

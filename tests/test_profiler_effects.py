@@ -157,3 +157,10 @@ def test_one_rank_with_parameters_on_the_device_is_never_told_to_prefetch(tmp_pa
     assert prefetch_change(config, world_size=2, block_elems=1000) is not None
     none, block_elems = _prefetches(tmp_path, "none", 0)
     assert _prefetches(tmp_path, "none", 4 * block_elems)[0] == none == 0  # blocks stay resident: nothing to do
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_are_never_told_to_prefetch(stage: int) -> None:
+    """Every rank holds the whole parameters there (`test_zero_stages`: no block is ever prefetched)."""
+    config = {"zero_optimization": {"stage": stage, "stage3_prefetch_bucket_size": 0}}
+    assert prefetch_change(config, world_size=2, block_elems=1000) is None

@@ -229,6 +229,7 @@ def _start(args: argparse.Namespace):
     heartbeat = _join_and_watch_peers(config)
     try:
         engine, _, _, _ = infinity.initialize(model=choice.model, config=config)
+        engine.step_log.enabled = False  # the progress line (`Progress`) says more, every steps_per_print steps
         load_pretrained(choice, engine)
     except BaseException:
         if heartbeat is not None:

@@ -85,6 +85,10 @@ def _idle_here(cfg: Any, world_size: int | None, group_given: bool) -> Iterator[
         yield ("zero_optimization.comm_timeout_s",), why
     if cfg.prescale_gradients:
         yield ("gradient_predivide_factor",), "with prescale_gradients true: all of the division comes before the sum"
+    if z.stage < 3:
+        keys = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance")
+        why = f"at stage {z.stage}: every rank holds every parameter whole, so none is gathered, prefetched or released"
+        yield tuple(f"zero_optimization.stage3_{k}" for k in keys), why
     if z.block_classes:
         yield ("zero_optimization.block_size_elems",), "with block_classes set: those classes form the blocks"
     nvme = [section for section in ("offload_param", "offload_optimizer") if getattr(z, section).device == "nvme"]

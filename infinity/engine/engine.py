@@ -53,6 +53,7 @@ from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition import plan_blocks
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.profiler.null_writer import NullTraceWriter
+from infinity.profiler.step_log import StepLog
 from infinity.profiler.wall_clock import WallClock
 from infinity.profiler.writer import open_trace_writer
 from infinity.scheduler import BlockScheduler
@@ -159,6 +160,8 @@ class InfinityEngine(EngineStateIO):
         self.sharing = PartitionSharing(self.shards, z.allgather_bucket_size, self.prof)
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.wall_clock = WallClock(cfg.wall_clock_breakdown, cfg.steps_per_print, rank, sync)
+        self.step_log = StepLog(cfg.steps_per_print, rank)
+        self.last_grad_norm: float | None = None  # the global norm the last step took (clipping, fp16)
         self._unused_check = None if z.ignore_unused_parameters else UnusedParameterCheck(model, self.comm, device)
 
         self._client_optimizer = optimizer
@@ -275,6 +278,8 @@ class InfinityEngine(EngineStateIO):
                 self.prof.peak(tier.value, self.tiers.high_water_bytes(tier))
             self.prof.end_step(self.global_steps - 1)
             self.wall_clock.end_step(self.global_steps)
+            if self.step_log.due(self.global_steps):
+                self.step_log.write(self.global_steps, self.skipped_steps, self.get_lr(), self.last_grad_norm)
         self.micro_steps += 1
 
     def _sync_hyperparameters(self, into_client: bool) -> None:
@@ -386,6 +391,10 @@ class InfinityEngine(EngineStateIO):
         if self._client_is_truth:
             self._sync_hyperparameters(into_client=False)
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """DeepSpeed's: the global gradient norm of the last step (unscaled), where clipping or fp16 took it."""
+        return self.last_grad_norm
 
     @property
     def skipped_steps(self) -> int:

@@ -29,12 +29,13 @@ class EngineStateIO:
         return str(folder)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's: the consolidated compute-dtype weights in save_dir/save_filename when
-        `stage3_gather_16bit_weights_on_model_save` is set (True), else nothing (False); every rank calls it."""
+        """DeepSpeed's: the consolidated compute-dtype weights in save_dir/save_filename (True); at stage 3 only
+        when `stage3_gather_16bit_weights_on_model_save` is set, else nothing (False). Every rank calls it."""
         from infinity.engine.weights16 import save_16bit_model
 
         self.optimizer.refuse_mid_step("save_16bit_model")
-        enabled = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        z = self.config.zero_optimization
+        enabled = z.stage3_gather_16bit_weights_on_model_save or z.stage < 3  # stages 1-2: whole on every rank
         return save_16bit_model(self.shards, self.module, enabled, save_dir, save_filename)
 
     def load_checkpoint(

@@ -110,8 +110,9 @@ def optimizer_window_change(config: dict, largest_shard_bytes: int) -> Change | 
 
 
 def prefetch_change(config: dict, world_size: int, block_elems: int) -> Change | None:
-    """A larger prefetch bucket; None where no block is gathered (one rank, parameters on the device)."""
-    if world_size == 1 and _device(config, "offload_param") == "none":
+    """A larger prefetch bucket; None where no block is gathered (stages 1-2; one rank, parameters on the
+    device)."""
+    if _zero(config).get("stage", 3) < 3 or (world_size == 1 and _device(config, "offload_param") == "none"):
         return None
     current = _zero(config).get("stage3_prefetch_bucket_size", 0)
     return Change("zero_optimization.stage3_prefetch_bucket_size", current, max(2 * current, 2 * block_elems))
