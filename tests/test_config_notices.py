@@ -113,6 +113,7 @@ IDLE_AT_ONE_RANK_ON_CPU = {
     "extra": {**SCALING, "fp16": {"loss_scale_window": 7}, "profiler": {"start_step": 5}, "aio": {"queue_depth": 3}},
     "extra_zero": {**REDUCTION, "comm_timeout_s": 30.0, "heartbeat_timeout_s": 9.0, "block_size_elems": 77},
 }
+OPTIMIZER_STAGING = {"buffer_count": 1, "pipeline_read": False, "pipeline_write": False}
 
 
 def _train(cfg: dict, client: bool) -> tuple[dict[str, torch.Tensor], str]:
@@ -133,10 +134,12 @@ def test_a_run_with_every_idle_key_set_trains_bit_for_bit_as_one_without_and_nam
     plain, quiet = _train(config("mlp", offload_param=offload, offload_optimizer=offload), client=False)
     assert "no effect" not in quiet
     cfg = config("mlp", offload_param=offload, offload_optimizer=offload, **IDLE_AT_ONE_RANK_ON_CPU)
+    cfg["zero_optimization"]["offload_optimizer"].update(OPTIMIZER_STAGING)  # in memory: nothing staged
     idle, printed = _train(cfg, client=False)
     for name, t in plain.items():
         assert torch.equal(idle[name], t), name
     keys = [*IDLE_AT_ONE_RANK_ON_CPU["extra"], *IDLE_AT_ONE_RANK_ON_CPU["extra_zero"]]
+    keys += [f"offload_optimizer.{k}" for k in OPTIMIZER_STAGING]
     for key in keys:
         assert any(f"{key}" in line and "no effect" in line for line in printed.splitlines()), key
 
@@ -173,3 +176,14 @@ def test_stage3_scheduling_keys_are_idle_at_stages_1_and_2_train_bit_for_bit_and
         assert torch.equal(idle[name], t), name
     for key in keys:
         assert any(key in line and f"no effect at stage {stage}" in line for line in printed.splitlines()), key
+
+
+@pytest.mark.parametrize("device,cuda,noticed", [("none", None, True), ("cpu", False, True), ("cpu", True, False)])
+def test_the_optimizers_staging_keys_are_idle_where_its_state_is_stepped_in_place(tmp_path, device, cuda, noticed):
+    cfg = config("mlp", offload_optimizer=device)
+    cfg["zero_optimization"]["offload_optimizer"].update(OPTIMIZER_STAGING)
+    staging = {f"zero_optimization.offload_optimizer.{k}" for k in OPTIMIZER_STAGING}
+    assert (_noticed(cfg, cuda=cuda) & staging == staging) is noticed
+    on_nvme = config("mlp", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    on_nvme["zero_optimization"]["offload_optimizer"].update(OPTIMIZER_STAGING)
+    assert not _noticed(on_nvme, cuda=False) & staging  # they pace the state's reads and writes

@@ -183,6 +183,21 @@ def test_with_the_compute_in_host_memory_the_bytes_needed_include_its_working_se
         _plan(_cfg("nvme", "nvme", host_budget=need - 1))
 
 
+def test_with_the_optimizer_in_memory_its_buffer_count_changes_nothing_in_the_plan():
+    """Gradients wait in the native stepper's window on NVMe only; with the optimizer's state in memory the key
+    is idle, as its notice at start says (`config/notices.py`)."""
+    plans = []
+    for count in (1, 16):
+        cfg = _cfg("nvme", "none", host_budget=HUGE)
+        cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = count
+        plans.append(_plan(cfg))
+    same = ("budgets", "param_read_ahead_bytes", "freed_block_bytes")  # the window is torch's Adam's: unused
+    assert [getattr(plans[0], f) for f in same] == [getattr(plans[1], f) for f in same]
+    largest, _, always_gathered = _largest()
+    working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, 0) + always_gathered * FP32
+    assert plans[0].budgets.host_bytes == HUGE - working
+
+
 def test_parameters_alone_on_nvme_need_room_for_one_gather():
     largest, _, _ = _largest()
     need = ShardStore.gather_host_bytes(largest, 0, FP32)

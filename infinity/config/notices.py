@@ -65,11 +65,15 @@ def _lookup(cfg: Any, dotted: str) -> Any:
 
 _FP16_DYNAMIC = ("initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale")
 _PARAM_READ_AHEAD = ("buffer_count", "buffer_size", "max_in_cpu")
+_OPTIMIZER_STAGING = ("buffer_count", "pipeline_read", "pipeline_write")
 _AIO = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
 
 
-def _idle_here(cfg: Any, world_size: int | None, group_given: bool) -> Iterator[tuple[tuple[str, ...], str]]:
-    """(dotted keys, why) for the keys that act in some runs but not in this one (`world_size` None: not judged)."""
+def _idle_here(
+    cfg: Any, world_size: int | None, group_given: bool, cuda: bool | None
+) -> Iterator[tuple[tuple[str, ...], str]]:
+    """(dotted keys, why) for the keys that act in some runs but not in this one (`world_size`, `cuda` None: not
+    judged)."""
     z = cfg.zero_optimization
     if world_size == 1:
         reduction = ("zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size")
@@ -103,6 +107,12 @@ def _idle_here(cfg: Any, world_size: int | None, group_given: bool) -> Iterator[
     if "offload_optimizer" not in nvme:
         keys = ("nvme_path", "recompute_gradients")
         yield tuple(f"zero_optimization.offload_optimizer.{k}" for k in keys), "unless offload_optimizer.device is nvme"
+    staging = tuple(f"zero_optimization.offload_optimizer.{k}" for k in _OPTIMIZER_STAGING)
+    if z.offload_optimizer.device == "none":
+        yield staging, "with offload_optimizer.device 'none': torch's Adam steps the state where it lives"
+    elif z.offload_optimizer.device == "cpu" and cuda is False:
+        why = "with offload_optimizer.device 'cpu' on a CPU-only machine: the step works on the state in place"
+        yield staging, why + ", with nothing to read ahead or copy back"
     if cfg.fp16.enabled is False:
         keys = ("loss_scale", *_FP16_DYNAMIC)
         yield tuple(f"fp16.{k}" for k in keys), "while fp16.enabled is false"
@@ -167,7 +177,7 @@ def no_effect_notices(
         if value != _lookup(default, key):
             lines.append(f"infinity: '{key}' is {value!r}: accepted, but it has no effect in infinity: {reason}")
     noticed = set(NO_EFFECT)
-    for keys, why in _idle_here(cfg, world_size, group_given):
+    for keys, why in _idle_here(cfg, world_size, group_given, cuda):
         for key in keys:
             value = _lookup(cfg, key)
             if key not in noticed and value != _lookup(default, key):

@@ -123,7 +123,8 @@ def plan_memory(
         working = 0
         if placement.compute_in_host_memory:
             bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
-            working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, window)
+            waiting = window if optim_on_nvme else 0  # gradients wait in the native stepper's window on NVMe only
+            working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, waiting)
             working += always_gathered * itemsize
             if recompute_gradients:  # its weights gathered take the slot of a block being reduced (none in forward)
                 working += largest * placement.grad_dtype.itemsize
