@@ -35,6 +35,7 @@ from infinity.engine.memory_plan import (
 )
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.partition_sharing import PartitionSharing
+from infinity.engine.readouts import EngineReadouts
 from infinity.engine.setup import (
     apply_process_settings,
     check_model,
@@ -62,7 +63,7 @@ from infinity.shards import MallocTuning, ShardStore, resolve_placement
 from infinity.storage import MoveCounter, Tier
 
 
-class InfinityEngine(EngineStateIO):
+class InfinityEngine(EngineStateIO, EngineReadouts):
     """A ZeRO model (stage 3, or 1 and 2 with replicated parameters): call it like the module, then
     `backward(loss)` and `step()`."""
 
@@ -331,27 +332,6 @@ class InfinityEngine(EngineStateIO):
         seen.update(dict.fromkeys(range(len(self.blocks))))
         return [self.persistent.flats, self.root.flats, *(self.blocks[i].flats for i in seen)]
 
-    @property
-    def bytes_moved(self) -> dict[str, int]:
-        """Bytes that moved between tiers since initialization, per "from->to" pair: parameter shards,
-        optimizer state and gradients as the store moved them (cache hits move nothing), and gradients
-        copied off the device."""
-        moved = dict(self.moves.bytes)
-        if self.shards.grad_bytes_to_host:
-            moved["device->host"] = moved.get("device->host", 0) + self.shards.grad_bytes_to_host
-        return moved
-
-    @property
-    def kept_buffer_bytes(self) -> int:
-        """Host memory kept between uses for gathers, gradient reductions and held gradients, lent out or not
-        (`comm.buffers`: under an explicit `host_budget_bytes`, the gathers' and a few gradient flats)."""
-        return self.comm.buffers.kept_bytes
-
-    @property
-    def stall_s(self) -> float:
-        """Seconds compute waited for a block's weights to arrive."""
-        return self.scheduler.stall_s
-
     def wait_for_weights(self) -> None:
         """Return once the module holds the last step's weights everywhere: stages 1-2 share them in the
         background after `step()`, and a step deferred past the backward (the NVMe optimizer with clipping)
@@ -386,16 +366,3 @@ class InfinityEngine(EngineStateIO):
 
     def eval(self) -> InfinityEngine:
         return self.train(False)
-
-    def get_lr(self) -> list[float]:
-        if self._client_is_truth:
-            self._sync_hyperparameters(into_client=False)
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """DeepSpeed's: the global gradient norm of the last step (unscaled), where clipping or fp16 took it."""
-        return self.last_grad_norm
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.loss_scaler.skipped_steps
