@@ -48,7 +48,9 @@ class InfinityConfig:
     aio: AioConfig = option(default_factory=AioConfig)
     profiler: ProfilerConfig = option(default_factory=ProfilerConfig)
     checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig)
-    steps_per_print: int = option(10, min_value=1)
+    steps_per_print: int = option(
+        10, min_value=1, doc="rank 0 prints the step, its learning rates and gradient norm every this many steps"
+    )
     wall_clock_breakdown: bool = option(False, doc="print each step's forward, backward and step time (rank 0)")
     prescale_gradients: bool = option(False, doc="divide gradients by the world size before summing them over ranks")
     gradient_predivide_factor: float = option(

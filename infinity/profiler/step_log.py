@@ -10,7 +10,7 @@ from typing import TextIO
 
 
 class StepLog:
-    """Prints `line(...)` for every `print_every`-th optimizer step on rank 0 while `enabled`."""
+    """Prints one line for every `print_every`-th optimizer step, on rank 0 and while `enabled`."""
 
     def __init__(self, print_every: int, rank: int, stream: TextIO | None = None) -> None:
         self.print_every = print_every
