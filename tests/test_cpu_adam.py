@@ -235,9 +235,17 @@ def test_results_identical_for_one_and_two_threads(path):
         assert_bitwise(two, one, name)
 
 
-def test_empty_shard_is_a_no_op():
-    e = torch.empty(0)
-    adam_step_flat(e, e.clone(), e.clone(), e.clone(), step=1, **flat_kwargs("adamw"))
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_shard_is_a_no_op(path):
+    """A zero-length shard (the empty slice at a flat's end) steps nothing: the memory around it, where an
+    off-by-one read-modify-write would land, keeps every bit."""
+    names = ("param", "grad", "exp_avg", "exp_avg_sq", "copy")
+    buffers = [torch.randn(8) for _ in range(4)] + [torch.randn(8).to(torch.bfloat16)]
+    before = [b.clone() for b in buffers]
+    p, g, m, v, copy = (b[4:4] for b in buffers)
+    adam_step_flat(p, g, m, v, step=1, out_copy=copy, num_threads=2, simd=path, **flat_kwargs("adamw"))
+    for name, after, was in zip(names, buffers, before, strict=True):
+        assert_bitwise(after, was, name)
 
 
 def test_step_bumps_autograd_version_counters():

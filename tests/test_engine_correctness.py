@@ -129,9 +129,12 @@ def test_mlp_matches_plain_pytorch(world, offload):
 
 
 def test_world_size_two_matches_world_size_one():
+    """The same global batch on one rank and split over two: the same run, and plain PyTorch's (without that
+    anchor two equally wrong runs would agree)."""
     cfg1 = config(micro_bs=2 * MICRO_BS, persistence=64, offload_optimizer="cpu")
     cfg2 = config(micro_bs=MICRO_BS, persistence=64, offload_optimizer="cpu")
     one = run_distributed(train_on_rank, 1, "gpt", cfg1, STEPS, 2 * MICRO_BS)
     two = run_distributed(train_on_rank, 2, "gpt", cfg2, STEPS, MICRO_BS)
+    assert_matches_plain_pytorch(one, "gpt", STEPS, 2 * MICRO_BS)
     assert mean_losses(two) == pytest.approx(one[0]["losses"], rel=1e-5)
     assert_weights_close(two[0]["state"], one[0]["state"])

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import config, train_steps
+from harness import assert_weights_close, config, reference_train, train_steps
 from toy_models import SEQ, batches
 
 import infinity
@@ -39,9 +39,13 @@ def _nvme_bytes(engine, kind: ShardKind) -> int:
     return total
 
 
-def _engine(tmp_path, host_budget_mib: int | None, clip: float, dtype: str = "fp32", recompute: bool = True):
+def _model() -> GPT:
     torch.manual_seed(0)
-    model = GPT(gpt_preset("small", block_size=SEQ, bias=False, n_layer=16, n_embd=64))
+    return GPT(gpt_preset("small", block_size=SEQ, bias=False, n_layer=16, n_embd=64))
+
+
+def _engine(tmp_path, host_budget_mib: int | None, clip: float, dtype: str = "fp32", recompute: bool = True):
+    model = _model()
     cfg = config(
         micro_bs=2,
         persistence=64,
@@ -105,7 +109,7 @@ def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_p
     still cached where the budget leaves room: no read at all). With the gradients recomputed for the step
     (`recompute_gradients`), its replay reads the old weights once more where backward's copy did not
     survive the budget until then (whether it does depends on which writes have finished when the budget
-    reclaims room)."""
+    reclaims room). The weights the gathers handed on are the step's: training is plain PyTorch's."""
     engine = _engine(tmp_path, host_budget_mib, clip=1.0, dtype=dtype, recompute=recompute)
     most = (2 if dtype == "fp32" else 1) + int(recompute)
     try:
@@ -122,13 +126,17 @@ def test_a_clipped_step_before_the_gather_hands_the_gather_its_new_weights(tmp_p
 
         engine.moves.record = record
         data = batches("gpt", 2)
-        train_steps(engine, data, 1)  # the first step: nothing is owed before its forward
+        losses = train_steps(engine, data, 1)  # the first step: nothing is owed before its forward
         assert reads  # its forward read every shard (the reads are counted)
         for _ in range(STEPS - 1):
             reads.clear()
-            train_steps(engine, data, 1)
+            losses += train_steps(engine, data, 1)
             assert max(reads.values(), default=0) <= most, reads.most_common(3)
         assert engine.optimizer.stepped_when_needed > 0
         assert (engine.grad_replay is not None and engine.grad_replay.replayed_blocks > 0) == recompute
+        state = engine.full_state_dict()
     finally:
         engine.close()
+    ref = reference_train(_model, batches("gpt", 2), STEPS, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    assert losses == pytest.approx(ref.losses, rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert_weights_close(state, ref.state, dtype)
