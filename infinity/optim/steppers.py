@@ -103,7 +103,7 @@ class TorchFusedStepper:
         # saves a pass over the gradients of its own
         inverse = None
         if grad_scale != 1.0 and active:
-            inverse = torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=active[0].master.device)
+            inverse = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=active[0].master.device)
         self._torch_opt.grad_scale = inverse
         self._torch_opt.step()
         for lent in active:

@@ -70,6 +70,9 @@ class BlockScheduler(GatherWindow):
         self._running: list[ShardedBlock] = []  # the root and the blocks whose forward is running, outermost first
         self._kept_for_backward: set[int] = set()  # blocks this forward leaves gathered for backward
         self._external = ExternalReads()
+        # the blocks that read across in the pass backward just finished: `reshard_all` clears the record for the
+        # step, while reductions may still land (and ask `reads_across`) until the next forward
+        self._read_across_last_pass: frozenset[ShardedBlock] = frozenset()
         self._remove_param_access = install_param_access([*blocks, root, persistent], self._on_param_read)
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
@@ -106,7 +109,10 @@ class BlockScheduler(GatherWindow):
 
     def reads_across(self, block: ShardedBlock) -> bool:
         """In this pass, `block`'s parameters were read from outside its forward, or its forward read the
-        parameters of another block or of the root (`param_access`)."""
+        parameters of another block or of the root (`param_access`); after backward, in the pass it ended."""
+        return block in self._read_across_last_pass or self._reads_across_now(block)
+
+    def _reads_across_now(self, block: ShardedBlock) -> bool:
         return (
             self._external.was_read(block)
             or bool(self._external.read_by(block))
@@ -142,6 +148,8 @@ class BlockScheduler(GatherWindow):
             return
         self.phase = Phase.FORWARD
         self._running = [self.root]
+        if torch.is_grad_enabled():
+            self._read_across_last_pass = frozenset()
         self._external.begin_call(self.root)
         self.forward_trace.start_pass()
         self._kept_for_backward = self._plan_backward_turn() if torch.is_grad_enabled() else set()
@@ -305,6 +313,7 @@ class BlockScheduler(GatherWindow):
             if block.grads_ready or block in (self.root, self.persistent):
                 block.grads_ready = 0
                 self.on_block_grads(block)
+        self._read_across_last_pass = frozenset(b for b in self.blocks if self._reads_across_now(b))
         self.reshard_all()
         self.phase = Phase.IDLE
 

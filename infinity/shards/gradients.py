@@ -38,9 +38,8 @@ from infinity.shards.kinds import ShardKind
 from infinity.storage import ALIGN, Tier
 
 GRADS_IN_FLIGHT = 1  # gradients crossing to the host not yet summed: each is summed while the next one copies
-REPLAY_NORM_RTOL = 1e-4  # a recomputed gradient's squared norm against backward's: rounding, not a different gradient
 # a trial's |recomputed - backward's| / |backward's| allowed: rounding (a GPU's atomics), within two ulps of a 16-bit
-# compute dtype, not a different gradient
+# compute dtype, not a different gradient; a squared norm may then differ by twice as much (`_replay_rtol`)
 REPLAY_TRIAL_RTOL = 1e-4
 _TRIAL_CHUNK = 1 << 20  # elements compared at once (no whole-shard temporary)
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # gradient dtypes an fp32 flat holds exactly
@@ -290,7 +289,7 @@ class GradientAccumulators:
         norm matches the one backward's gave (the clipping used it); else it raises."""
         expected = self._replay_owed[flat]
         got = flat_norm_sq(flat, grad)
-        if not math.isclose(got, expected, rel_tol=REPLAY_NORM_RTOL, abs_tol=1e-30):
+        if not math.isclose(got, expected, rel_tol=2 * self._replay_rtol(), abs_tol=1e-30):
             raise RuntimeError(
                 f"the gradient of {flat.name} recomputed for its deferred step has squared norm {got:.9g}, backward's "
                 f"had {expected:.9g}: its block's forward does not repeat (a random or stateful operation outside "
@@ -313,13 +312,17 @@ class GradientAccumulators:
             raise RuntimeError(f"the gradient replay of {flat.name}'s block did not recompute {flat.name}")
         errors = torch.tensor([self._replay_trials.pop(f) for f in compared], dtype=torch.float64)
         errors = self.comm.all_reduce(errors.to(self.comm.device), "gradient replay trial", op="max").tolist()
-        rtol = max(REPLAY_TRIAL_RTOL, 2 * torch.finfo(self.placement.compute_dtype).eps)
         for f, error in zip(compared, errors, strict=True):
-            if error <= rtol:
+            if error <= self._replay_rtol():
                 self._replay_trusted.add(f)
             else:
                 why = f"its gradient recomputed on trial differed from backward's (relative error {error:.3g})"
                 self.grad_replay.reject(f, why)
+
+    def _replay_rtol(self) -> float:
+        """How far a recomputed gradient may be from backward's, relative to its norm: its trial's bound, and half
+        its squared norm's (the check that it still repeats)."""
+        return max(REPLAY_TRIAL_RTOL, 2 * torch.finfo(self.placement.compute_dtype).eps)
 
     def _compare_trial(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """Note how far `flat`'s recomputed gradient is from backward's (held, or read back from NVMe)."""
