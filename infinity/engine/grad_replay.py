@@ -96,6 +96,7 @@ class GradientReplay:
         if block.index in self._self_contained and block.name not in self.rejected and self.inputs.ready(block):
             return True
         self._notice(block)
+        self.inputs.drop(block)  # its gradient waits on NVMe: the inputs and output gradients kept for it can go
         return False
 
     def reject(self, flat: FlatParam, why: str) -> None:

@@ -194,6 +194,10 @@ class BlockInputs:
         call = self._calls.get(block.index)
         return call.why_not if call is not None else None
 
+    def holds(self, block: ShardedBlock) -> bool:
+        """Whether a captured call of `block` is kept (its inputs and output gradients in memory)."""
+        return block.index in self._calls
+
     def drop(self, block: ShardedBlock) -> None:
         """Forget `block`'s captured call (its gradient was recomputed): its inputs' memory can go."""
         self._calls.pop(block.index, None)
