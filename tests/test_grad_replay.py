@@ -33,6 +33,7 @@ import infinity
 from infinity.engine.grad_replay import recompute_gradients
 from infinity.models.mlp import MLP, MLPLayer
 from infinity.shards import ShardKind
+from infinity.storage import Tier
 
 STEPS = 4
 MICRO_BS = 2
@@ -148,6 +149,47 @@ def test_recomputed_gradients_never_touch_the_disk_after_their_trial_and_train_a
     # after the trial backward keeps only the norms, read from the parameters' gradients: no flat copy
     assert run["copies_in_backward"] == [run["flats"]] + [0] * (STEPS - 1)
     assert_matches_plain_pytorch([run], kind, STEPS, MICRO_BS)
+
+
+def _params_read_ahead_for_replays(engine) -> list[str]:
+    """From now on, the parameter shards read ahead into host memory while a replay's step is prepared."""
+    read: list[str] = []
+    prefetch = engine.shards.prefetch_unsettled
+
+    def recording(flats, ahead):
+        tiers_prefetch = engine.shards.tiers.prefetch
+
+        def note(keys, tier):
+            read.extend(k[0].split("#")[0] for k in keys if k[-1] == ShardKind.PARAM.value and Tier(tier) is Tier.HOST)
+            return tiers_prefetch(keys, tier)
+
+        engine.shards.tiers.prefetch = note
+        try:
+            return prefetch(flats, ahead)
+        finally:
+            engine.shards.tiers.prefetch = tiers_prefetch
+
+    engine.shards.prefetch_unsettled = recording
+    return read
+
+
+def test_with_the_device_apart_replays_read_their_old_weights_ahead_and_train_as_plain_pytorch(tmp_path):
+    """A GPU's layout on the CPU (`device_budget_bytes`: the device tier apart from host memory): a replay's old
+    weights come from NVMe through host memory, read ahead while the blocks before it replay, and the
+    training is plain PyTorch's."""
+    cfg = _config("gpt", str(tmp_path))
+    cfg["zero_optimization"]["device_budget_bytes"] = BUDGET
+    rank, world = rank_and_world()
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    assert engine.placement.gather_from is Tier.DEVICE and engine.placement.param_home is Tier.NVME
+    read = _params_read_ahead_for_replays(engine)
+    losses = train_steps(engine, batches("gpt", MICRO_BS, rank=rank, world_size=world), STEPS)
+    state = engine.full_state_dict()
+    replayed, blocks = engine.grad_replay.replayed_blocks, [b.name for b in engine.blocks]
+    engine.close()
+    assert replayed == STEPS * len(blocks)
+    assert set(blocks) <= set(read)
+    assert_matches_plain_pytorch([{"losses": losses, "state": state}], "gpt", STEPS, MICRO_BS)
 
 
 def test_with_recompute_gradients_off_they_wait_on_nvme_and_the_weights_are_the_same(tmp_path):

@@ -319,9 +319,11 @@ class ShardStore(GradientAccumulators, OptimizerLending):
     def prefetch_unsettled(self, flats: list[FlatParam], ahead: list[FlatParam]) -> None:
         """Start reading what a gradient replay of `flats` reads (their parameter shards as they are), what their
         owed steps read next (the optimizer state), then the parameter shards of `ahead` (the block replayed
-        next) where their gradients are to be recomputed: the disk works through the replays' compute."""
+        next) where their gradients are to be recomputed: the disk works through the replays' compute. NVMe
+        parameter shards are read into host memory, where gathers read them or (a GPU) the copy to the device
+        starts from."""
         p = self.placement
-        params_read = p.param_home is Tier.NVME and p.gather_from is Tier.HOST
+        params_read = p.param_home is Tier.NVME
         if params_read:
             self.tiers.prefetch([self.key(f, ShardKind.PARAM) for f in flats], Tier.HOST)
         self.prefetch_state([f for f in flats if f in self.records], with_grad=False, master=not p.master_is_param)
