@@ -9,12 +9,13 @@ with the reference trained on the same GPU.
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
 from device_check import DeviceMixCheck
 from dist import run_distributed
-from harness import assert_matches_plain_pytorch, config, train_on_rank
+from harness import assert_matches_plain_pytorch, assert_weights_close, config, train_on_rank
 from toy_models import batches, make_model
 
 import infinity
@@ -108,3 +109,78 @@ def test_no_op_of_a_step_mixes_host_and_device_memory(tmp_path, offload):
         engine.close()
     assert check.ops > 0
     assert check.violations == []
+
+
+def _recompute_config(path: str, dtype: str, recompute: bool) -> dict:
+    """Both offloads on NVMe under a host budget, clipped: the step is deferred and, with `recompute`, each
+    block's gradient is recomputed for it instead of waiting on NVMe."""
+    os.makedirs(path, exist_ok=True)
+    nvme = {"device": "nvme", "nvme_path": path, "recompute_gradients": recompute}
+    return config(
+        micro_bs=MICRO_BS, persistence=64, offload_param="nvme", offload_optimizer="nvme", dtype=dtype, clip=1.0,
+        nvme_path=path, extra_zero={"host_budget_bytes": 256 << 20, "offload_optimizer": nvme},
+    )  # fmt: skip
+
+
+def _train_here(model: torch.nn.Module, cfg: dict, steps: int) -> dict:
+    """Train `model` on this process's GPU, seeding every generator (the CUDA one draws dropout) after set-up."""
+    engine, _, _, _ = infinity.initialize(model=model, config=cfg)
+    data = batches("gpt", MICRO_BS)
+    torch.manual_seed(1)
+    losses = []
+    try:
+        for _ in range(steps):
+            x, y = next(data)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.full_state_dict()
+        replay = engine.grad_replay  # None with recompute_gradients off
+        replayed, rejected = (replay.replayed_blocks, dict(replay.rejected)) if replay is not None else (0, {})
+        return {"losses": losses, "state": state, "replayed": replayed, "rejected": rejected}
+    finally:
+        engine.close()
+
+
+def _dropout_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = make_model("gpt")
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.2
+    for block in model.blocks:
+        block.attn.dropout = 0.2
+    return model
+
+
+def _assert_same_training(on: dict, off: dict, dtype: str) -> None:
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-5 if dtype == "fp32" else 2e-2)
+    assert_weights_close(on["state"], off["state"], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_replay_on_the_gpu_draws_the_same_dropout_masks(tmp_path, dtype):
+    """Dropout on the GPU draws from the CUDA generator: the replay restores the state its block's forward began
+    from, so every trial passes (a different mask would fail it) and the run is the one whose gradients waited
+    on NVMe, to the GPU's rounding."""
+    on = _train_here(_dropout_gpt(), _recompute_config(str(tmp_path / "on"), dtype, True), STEPS)
+    off = _train_here(_dropout_gpt(), _recompute_config(str(tmp_path / "off"), dtype, False), STEPS)
+    assert on["rejected"] == {} and on["replayed"] > 0 and off["replayed"] == 0
+    _assert_same_training(on, off, dtype)
+
+
+def test_fp16_on_the_gpu_recomputes_the_loss_scaled_gradients(tmp_path):
+    """fp16 with dynamic loss scaling (no clipping; the overflow check defers the step): replays recompute the
+    scaled gradients, the overflowing first steps owe none, and the run is the one whose gradients waited on
+    NVMe."""
+    runs = []
+    for recompute in (True, False):
+        cfg = _recompute_config(str(tmp_path / str(recompute)), "fp32", recompute)
+        cfg["gradient_clipping"] = 0.0
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 3, "hysteresis": 1}
+        torch.manual_seed(0)
+        runs.append(_train_here(make_model("gpt"), cfg, 6))
+    on, off = runs
+    assert on["rejected"] == {} and on["replayed"] > 0 and off["replayed"] == 0
+    _assert_same_training(on, off, "fp16")
