@@ -15,8 +15,8 @@ import pytest
 import torch
 from device_check import DeviceMixCheck
 from dist import run_distributed
-from harness import assert_matches_plain_pytorch, assert_weights_close, config, train_on_rank
-from toy_models import batches, make_model
+from harness import assert_matches_plain_pytorch, assert_weights_close, config, train_on_rank, train_steps
+from toy_models import batches, dropout_gpt, make_model
 
 import infinity
 
@@ -125,33 +125,15 @@ def _recompute_config(path: str, dtype: str, recompute: bool) -> dict:
 def _train_here(model: torch.nn.Module, cfg: dict, steps: int) -> dict:
     """Train `model` on this process's GPU, seeding every generator (the CUDA one draws dropout) after set-up."""
     engine, _, _, _ = infinity.initialize(model=model, config=cfg)
-    data = batches("gpt", MICRO_BS)
     torch.manual_seed(1)
-    losses = []
     try:
-        for _ in range(steps):
-            x, y = next(data)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_steps(engine, batches("gpt", MICRO_BS), steps)
         state = engine.full_state_dict()
         replay = engine.grad_replay  # None with recompute_gradients off
         replayed, rejected = (replay.replayed_blocks, dict(replay.rejected)) if replay is not None else (0, {})
         return {"losses": losses, "state": state, "replayed": replayed, "rejected": rejected}
     finally:
         engine.close()
-
-
-def _dropout_gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = make_model("gpt")
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.2
-    for block in model.blocks:
-        block.attn.dropout = 0.2
-    return model
 
 
 def _assert_same_training(on: dict, off: dict, dtype: str) -> None:
@@ -164,8 +146,8 @@ def test_a_replay_on_the_gpu_draws_the_same_dropout_masks(tmp_path, dtype):
     """Dropout on the GPU draws from the CUDA generator: the replay restores the state its block's forward began
     from, so every trial passes (a different mask would fail it) and the run is the one whose gradients waited
     on NVMe, to the GPU's rounding."""
-    on = _train_here(_dropout_gpt(), _recompute_config(str(tmp_path / "on"), dtype, True), STEPS)
-    off = _train_here(_dropout_gpt(), _recompute_config(str(tmp_path / "off"), dtype, False), STEPS)
+    on = _train_here(dropout_gpt(), _recompute_config(str(tmp_path / "on"), dtype, True), STEPS)
+    off = _train_here(dropout_gpt(), _recompute_config(str(tmp_path / "off"), dtype, False), STEPS)
     assert on["rejected"] == {} and on["replayed"] > 0 and off["replayed"] == 0
     _assert_same_training(on, off, dtype)
 

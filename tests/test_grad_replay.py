@@ -27,7 +27,7 @@ from harness import (
     resolved,
     train_steps,
 )
-from toy_models import batches, make_model
+from toy_models import batches, dropout_gpt, make_model
 
 import infinity
 from infinity.engine.grad_replay import recompute_gradients
@@ -207,15 +207,8 @@ def test_a_block_with_dropout_replays_the_same_random_masks(tmp_path):
     a GPT with dropout trains bit for bit as it does with its gradients stored on NVMe, a validation forward in
     eval mode between steps (where the replays then run) included."""
 
-    def dropout_gpt(path: str, recompute: bool) -> dict:
-        torch.manual_seed(0)
-        model = make_model("gpt")
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.2
-        for block in model.blocks:
-            block.attn.dropout = 0.2  # the attention's own dropout too
-        engine, _, _, _ = infinity.initialize(model=model, config=_config("gpt", path, recompute=recompute))
+    def train_with_dropout(path: str, recompute: bool) -> dict:
+        engine, _, _, _ = infinity.initialize(model=dropout_gpt(), config=_config("gpt", path, recompute=recompute))
         data = batches("gpt", MICRO_BS)
         torch.manual_seed(1)
         losses = []
@@ -235,8 +228,8 @@ def test_a_block_with_dropout_replays_the_same_random_masks(tmp_path):
         engine.close()
         return {"losses": losses, "state": state, "replayed": replayed}
 
-    on = dropout_gpt(str(tmp_path / "on"), True)
-    off = dropout_gpt(str(tmp_path / "off"), False)
+    on = train_with_dropout(str(tmp_path / "on"), True)
+    off = train_with_dropout(str(tmp_path / "off"), False)
     assert on["replayed"] > 0 and off["replayed"] == 0
     assert on["losses"] == off["losses"]
     for key, value in on["state"].items():
@@ -430,6 +423,7 @@ def test_a_forward_that_stops_repeating_after_its_trial_stops_the_step_with_a_me
 def test_the_norm_check_allows_a_16_bit_dtypes_rounding_as_the_trial_does(tmp_path):
     """A drift of one bf16 ulp in block 1's output after the trial (what a GPU's nondeterministic kernels can
     give) is within the trial's bound, two ulps: bf16 trains on; in fp32 the same drift stops the step."""
+
     def drift(step: int, rank: int) -> float:
         return 1.0 if step < 2 else 1.0 + 2**-7
 

@@ -171,3 +171,14 @@ def batches(
         rows = slice(rank * micro_bs, (rank + 1) * micro_bs)
         yield x[rows].to(dtype), y[rows].to(dtype)
         step += 1
+
+
+def dropout_gpt(p: float = 0.2) -> nn.Module:
+    """The "gpt" model (seed 0) with every dropout, the attention's own included, at `p`."""
+    model = make_model("gpt")
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+    for block in model.blocks:
+        block.attn.dropout = p
+    return model
