@@ -8,7 +8,8 @@ between them into one token stream.
 The stream is cached beside the file as `<file>.tokens-<key>.npy` with a JSON sidecar; the key is a hash of
 the tokenizer (its full serialized form) and of the file's contents, whose hash is recomputed only when
 the file's size or modification time changed. The sidecar holds the SHA-256 of the cached tokens, checked
-on every read: a damaged cache is rebuilt (with a notice), never used.
+on every read with their dtype and shape: a damaged cache is rebuilt (with a notice), never used; a damaged
+sidecar is ignored.
 
 `PackedBatches` cuts the stream into non-overlapping sequences of `seq` tokens and serves them in a
 seeded order, rank-sliced and resumable like `ByteBatches`.
@@ -149,13 +150,21 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _read_sidecar(sidecar: Path) -> dict[str, Any] | None:
+    """A cache sidecar's JSON object, or None when it is unreadable or damaged (not text, not an object)."""
+    try:
+        meta = json.loads(sidecar.read_text())
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def _content_hash(path: Path) -> str:
     """The file's SHA-256, taken from a previous cache's sidecar when size and modification time match."""
     stat = path.stat()
     for sidecar in path.parent.glob(f"{path.name}.tokens-*.json"):
-        try:
-            meta = json.loads(sidecar.read_text())
-        except (OSError, json.JSONDecodeError):
+        meta = _read_sidecar(sidecar)
+        if meta is None or not isinstance(meta.get("source_sha256"), str):
             continue
         if meta.get("source_size") == stat.st_size and meta.get("source_mtime_ns") == stat.st_mtime_ns:
             return meta["source_sha256"]
@@ -171,13 +180,16 @@ def cache_paths(path: Path, tokenizer) -> tuple[Path, Path, str]:
 
 
 def _read_cache(tokens_path: Path, sidecar: Path) -> np.ndarray | None:
-    """The cached tokens if both files are there and the tokens' SHA-256 matches the sidecar's, else None."""
+    """The cached tokens if both files are there, the tokens are 1-D little-endian uint32 as written (the .npy
+    header is outside the checksum) and their SHA-256 matches the sidecar's; else None."""
     if not (tokens_path.is_file() and sidecar.is_file()):
         return None
+    meta = _read_sidecar(sidecar)
     try:
-        meta = json.loads(sidecar.read_text())
         tokens = np.load(tokens_path, allow_pickle=False)
     except (OSError, ValueError):
+        return None
+    if meta is None or tokens.dtype != np.dtype("<u4") or tokens.ndim != 1:
         return None
     if hashlib.sha256(tokens.tobytes()).hexdigest() != meta.get("tokens_sha256") or len(tokens) != meta.get("tokens"):
         return None

@@ -58,7 +58,7 @@ from infinity.engine.checkpoint_folder import (
     write_file,
     write_text,
 )
-from infinity.engine.checkpoint_format import TensorSpec
+from infinity.models.weight_files import TensorSpec
 from infinity.shards.moments import moment_format
 from infinity.shards.store import ShardKind, ShardStore
 

@@ -241,7 +241,13 @@ def resolve_folder(
     if tag is None:
         latest = root / LATEST
         if latest.is_file():
-            tag = latest.read_text().strip()
+            try:
+                tag = latest.read_text().strip()
+            except UnicodeDecodeError as exc:
+                raise CheckpointError(
+                    f"'{latest}' is damaged (not text: {exc}); it should name the checkpoint to load; "
+                    f"{_no_checkpoint_hint(root, tag_hint)}"
+                ) from exc
             if not tag:
                 raise CheckpointError(
                     f"'{latest}' is empty: it should name the checkpoint to load; {_no_checkpoint_hint(root, tag_hint)}"
@@ -285,6 +291,9 @@ def _manifest_problem(manifest: Any, rank: int) -> str:
         return f"its 'global_steps' is {steps!r}, not a step number"
     if not isinstance(manifest["files"], dict):
         return "its 'files' is not an object"
+    for name in (model_file(rank), optim_file(rank)):  # a file the manifest leaves out would load unverified
+        if name not in manifest["files"]:
+            return f"it lists no '{name}'"
     for name, entry in manifest["files"].items():
         if not (
             isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)

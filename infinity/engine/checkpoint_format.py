@@ -4,9 +4,9 @@
 (`data/<key>`) stored uncompressed. `TorchFileReader` unpickles a file with every tensor left as a
 `LazyTensor` (its record, dtype, offset and shape) and reads any element range of one with a single
 seek, so a checkpoint can be resharded or consolidated with memory near the largest piece read, not
-the file. `write_torch_object` (any object, as `torch.save`), `write_torch_file` and
-`write_safetensors_file` (state dicts) write the same way: each tensor is produced, written and
-dropped before the next.
+the file. `write_torch_object` (any object, as `torch.save`) and `write_torch_file` (state dicts) write
+the same way: each tensor is produced, written and dropped before the next. The safetensors writer and
+the check of a weight file's bytes are `infinity.models.weight_files` (a service: models use them too).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import copy
 import io
-import json
 import math
 import os
 import pickle
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from infinity.models.weight_files import Produce, TensorSpec, check_produced, write_all
 
 STORAGE_ALIGN = 64  # torch aligns storage records so that `torch.load(mmap=True)` can map them
 _STORAGE_DTYPES = {
@@ -41,18 +42,6 @@ _STORAGE_DTYPES = {
     "BoolStorage": torch.bool,
 }
 _STORAGE_NAMES = {dtype: name for name, dtype in _STORAGE_DTYPES.items()}
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 class FormatError(RuntimeError):
@@ -190,37 +179,6 @@ class TorchFileReader:
         self.close()
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor to write, produced later: its name, shape and dtype (None: whatever is produced, torch
-    format only); `alias_of` names the entry whose data it shares (a tied weight)."""
-
-    name: str
-    shape: tuple[int, ...] | None
-    dtype: torch.dtype | None
-    alias_of: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-Produce = Callable[[TensorSpec], torch.Tensor]
-
-
-def _check(spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
-    if (spec.shape is not None and tuple(t.shape) != spec.shape) or (spec.dtype is not None and t.dtype != spec.dtype):
-        raise ValueError(
-            f"'{spec.name}' was produced as {tuple(t.shape)} {t.dtype}, declared {spec.shape} {spec.dtype}"
-        )
-    return t.detach().cpu().contiguous()
-
-
-def _write_all(out, t: torch.Tensor) -> None:
-    if t.numel():
-        out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-
-
 class _TensorRef:
     """Pickles as a contiguous tensor whose data is storage record `key` (written separately)."""
 
@@ -285,10 +243,13 @@ def write_torch_object(path: str | os.PathLike, obj: Any, produce: Produce | Non
         for leaf in leaves:
             if ident(leaf) in records or (isinstance(leaf, TensorSpec) and leaf.alias_of is not None):
                 continue
-            tensor = _check(leaf, produce(leaf)) if isinstance(leaf, TensorSpec) else leaf.detach().cpu().contiguous()
+            if isinstance(leaf, TensorSpec):
+                tensor = check_produced(leaf, produce(leaf))
+            else:
+                tensor = leaf.detach().cpu().contiguous()
             key = str(len(records))
             with _aligned_entry(zf, f"archive/data/{key}") as out:
-                _write_all(out, tensor)
+                write_all(out, tensor)
             records[ident(leaf)] = (key, tuple(tensor.shape), tensor.dtype)
             del tensor
         buf = io.BytesIO()
@@ -306,42 +267,6 @@ def write_torch_file(path: str | os.PathLike, specs: list[TensorSpec], produce: 
     `torch.load(path)` returns it (tied entries share one storage, as `torch.save` would write them).
     """
     write_torch_object(path, collections.OrderedDict((s.name, s) for s in specs), produce)
-
-
-def write_safetensors_file(
-    path: str | os.PathLike, specs: list[TensorSpec], produce: Produce, metadata: dict[str, str] | None = None
-) -> None:
-    """Write an ordered state dict in the safetensors format, producing one tensor at a time.
-
-    The format (an 8-byte header length, a JSON header of dtypes, shapes and byte ranges, then the data)
-    needs no package to write; a tied entry is written as its own copy, since safetensors has no aliases.
-    """
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors is little-endian; writing it on a big-endian machine is not supported")
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for spec in specs:
-        if spec.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"'{spec.name}' has dtype {spec.dtype}, which safetensors cannot store")
-        header[spec.name] = {
-            "dtype": _SAFETENSORS_DTYPES[spec.dtype],
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-len(raw)) % 8)
-    by_name = {s.name: s for s in specs}
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        cached: tuple[str, torch.Tensor] | None = None
-        for spec in specs:
-            source = by_name[spec.alias_of] if spec.alias_of else spec
-            if cached is None or cached[0] != source.name:
-                cached = None  # drop the previous tensor before producing the next
-                cached = (source.name, _check(source, produce(source)))
-            _write_all(out, cached[1])
 
 
 def order_aliases_after_sources(specs: Iterable[TensorSpec]) -> list[TensorSpec]:

@@ -24,12 +24,8 @@ from infinity.engine.checkpoint import (
     verify_rank,
 )
 from infinity.engine.checkpoint_folder import check_not_in_checkpoints
-from infinity.engine.checkpoint_format import (
-    TensorSpec,
-    order_aliases_after_sources,
-    write_safetensors_file,
-    write_torch_file,
-)
+from infinity.engine.checkpoint_format import order_aliases_after_sources, write_torch_file
+from infinity.models.weight_files import TensorSpec, write_safetensors_file
 
 FORMATS = ("torch", "safetensors")
 

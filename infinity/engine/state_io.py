@@ -2,13 +2,15 @@
 
 `iter_full_state` yields the full fp32 weights (every name of a tied weight) and buffers, block by
 block; `load_full_state` writes pretrained weights into the shards, reading them tensor by tensor
-from a state dict, a torch checkpoint (memory-mapped) or a folder of safetensors files.
+from a state dict, a torch checkpoint (memory-mapped) or a folder of safetensors files, each file
+verified first (`verify_weight_file`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from infinity.models.weight_files import verify_weight_file
 from infinity.shards.store import ShardStore
 
 
@@ -66,6 +69,7 @@ class _TensorSource:
                     "reading safetensors needs the 'safetensors' package: pip install safetensors"
                 ) from exc
             for f in files:
+                verify_weight_file(f)
                 handle = safe_open(str(f), framework="pt")
                 for key in handle.keys():
                     if key in self._handles:
@@ -76,7 +80,11 @@ class _TensorSource:
                     self._handles[key] = handle
             self._tensors = None
         elif path.is_file():
-            self._tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            verify_weight_file(path)
+            try:
+                self._tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except (RuntimeError, OSError, pickle.UnpicklingError) as exc:
+                raise ValueError(f"weight file '{path}' cannot be read as a torch file: {exc}") from exc
         else:
             raise FileNotFoundError(f"pretrained weights '{path}' do not exist")
 

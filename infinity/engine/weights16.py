@@ -15,13 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infinity.engine.checkpoint_format import (
-    TensorSpec,
-    order_aliases_after_sources,
-    write_safetensors_file,
-    write_torch_file,
-)
+from infinity.engine.checkpoint_format import order_aliases_after_sources, write_torch_file
 from infinity.engine.state_io import iter_full_state
+from infinity.models.weight_files import TensorSpec, write_safetensors_file
 from infinity.shards.store import ShardStore
 
 DEFAULT_FILENAME = "pytorch_model.bin"

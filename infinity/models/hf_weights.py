@@ -10,7 +10,8 @@ tensor of element indices: every such conversion only renames, splits, joins or 
 
 Writing: `write_hf_weights(named_tensors, ...)` takes the engine's full weights as they stream out and
 writes `save_pretrained`-compatible safetensors shards (converted back to transformers' stored layout,
-tied weights once) holding at most one shard in memory.
+tied weights once) holding at most one shard in memory; each carries the SHA-256 that reading checks
+(`verify_weight_file`) before any of its tensors is used.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _stored_files(folder: Path) -> dict[str, Path]:
                 raise FileNotFoundError(f"'{index}' lists weight files that are missing: {', '.join(missing)}")
             return files
     for single in (SAFETENSORS_FILE, TORCH_FILE):
-        if (folder / single).is_file():
-            return {name: folder / single for name in _open(folder / single).keys()}
+        if (folder / single).is_file():  # its bytes are verified when its tensors are read
+            return {name: folder / single for name in _open(folder / single, verify=False).keys()}
     raise FileNotFoundError(
         f"'{folder}' holds no weights: expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} with its shards, "
         f"{TORCH_FILE} or {TORCH_INDEX}"
@@ -66,7 +67,12 @@ class _TorchFile:
         return self._tensors[name]
 
 
-def _open(path: Path):
+def _open(path: Path, verify: bool = True):
+    """A weight file's tensors by name; with `verify`, its bytes checked first (`verify_weight_file`)."""
+    from infinity.models.weight_files import verify_weight_file
+
+    if verify:
+        verify_weight_file(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
@@ -186,7 +192,7 @@ def write_hf_weights(
 ) -> list[Path]:
     """Write (name, tensor) pairs as `model.safetensors`, or as shards with `model.safetensors.index.json`
     when they pass `max_shard_bytes`; one shard is held in memory at a time. Returns the files written."""
-    from safetensors.torch import save_file
+    from infinity.models.weight_files import TensorSpec, write_safetensors_file
 
     folder.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, list[str]]] = []
@@ -197,7 +203,8 @@ def write_hf_weights(
         nonlocal shard, shard_bytes
         if shard:
             path = folder / f".shard-{len(parts):05d}.partial"
-            save_file(shard, str(path), metadata={"format": "pt"})
+            specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in shard.items()]
+            write_safetensors_file(path, specs, lambda spec: shard[spec.name], {"format": "pt"})
             parts.append((path, list(shard)))
         shard, shard_bytes = {}, 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infinity.profiler.analysis import union_ns
+from infinity.profiler.analysis import drop_malformed, union_ns
 from infinity.profiler.traces import RankTrace
 
 READ_PAIR = {"nvme": "nvme->host", "cpu": "host->device"}
@@ -47,7 +47,9 @@ def _is_param_key(key: str) -> bool:
 
 
 def auto_prefetch(traces: list[RankTrace], param_device: str, block_elems: int) -> PrefetchEvidence:
-    """The bucket for blocks of `block_elems` from `traces`; ValueError saying what the traces lack."""
+    """The bucket for blocks of `block_elems` from `traces` (their malformed records left out, as the report
+    leaves them out); ValueError saying what the traces lack."""
+    drop_malformed(traces)
     pair = READ_PAIR.get(param_device)
     if pair is None:
         raise ValueError('parameters live on the device (offload_param.device is "none"): no reads to hide')

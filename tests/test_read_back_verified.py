@@ -1,0 +1,229 @@
+"""Every byte infinity reads back from a file it wrote is verified: the damage is found and named, never used.
+
+Gaps in the verification that the swap (test_swap_integrity) and checkpoint (test_checkpoint*) tests leave
+open, each shown on real files damaged on disk: the token cache's header and sidecar, a checkpoint manifest
+that leaves a file out, a `latest` that is not text, 16-bit weight files and Hugging Face weight shards
+(read back by `load_full_state` and `--model`), and a profiled trial's trace read by the tuner.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from harness import config, train_steps
+from toy_models import batches, make_model
+
+import infinity
+from infinity.data.text import ByteTokenizer, cache_paths, load_tokens
+from infinity.engine.checkpoint import MANIFEST, CheckpointError, model_file, optim_file, resolve_folder
+
+TEXT = "Friends, Romans, countrymen, lend me your ears;\n" * 40
+
+
+def _flip(path: Path, offset: int, bit: int = 0x04) -> None:
+    """Flip one bit of the byte at `offset` of `path`, on disk."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= bit
+    path.write_bytes(bytes(data))
+
+
+def _record_data_offset(path: Path, name: str) -> int:
+    """Where zip record `name`'s data starts in `path` (after its local header)."""
+    with zipfile.ZipFile(path) as zf:
+        start = zf.getinfo(name).header_offset
+    header = path.read_bytes()[start : start + 30]
+    return start + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+
+
+# -- the token cache ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cached_text(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A text file tokenized once: (the file, its cached tokens, their sidecar)."""
+    path = tmp_path / "t.txt"
+    path.write_text(TEXT)
+    load_tokens(path, ByteTokenizer(), say=lambda _: None)
+    tokens, sidecar, _ = cache_paths(path, ByteTokenizer())
+    return path, tokens, sidecar
+
+
+@pytest.mark.parametrize("descr", [b"<f4", b">u4"])
+def test_a_token_cache_whose_header_names_another_dtype_is_rebuilt_not_trained_on(cached_text, descr):
+    """The header is outside the tokens' SHA-256: '<u4' read as floats is zeros, as big-endian garbage ids."""
+    path, tokens, _ = cached_text
+    raw = tokens.read_bytes()
+    tokens.write_bytes(raw.replace(b"<u4", descr, 1))
+    said: list[str] = []
+    got = load_tokens(path, ByteTokenizer(), say=said.append)
+    assert got.tolist() == list(TEXT.encode())
+    assert len(said) == 1 and "damaged" in said[0] and str(tokens) in said[0]
+    assert tokens.read_bytes() == raw  # rebuilt
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw.replace(b'"source_sha256"', b'"source_sha256\xa2"', 1),  # a byte that is not UTF-8
+        lambda raw: b"[1]",
+        lambda raw: json.dumps({k: v for k, v in json.loads(raw).items() if k != "source_sha256"}).encode(),
+    ],
+    ids=["not-utf8", "not-an-object", "no-source-hash"],
+)
+def test_a_damaged_token_cache_sidecar_is_tokenized_again_not_a_traceback(cached_text, damage):
+    path, _, sidecar = cached_text
+    sidecar.write_bytes(damage(sidecar.read_bytes()))
+    assert load_tokens(path, ByteTokenizer(), say=lambda _: None).tolist() == list(TEXT.encode())
+    assert load_tokens(path, ByteTokenizer(), say=lambda _: None).tolist() == list(TEXT.encode())
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path: Path):
+    """An engine trained 2 steps and its checkpoint in `tmp_path` (global_step2)."""
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp"), config=config("mlp"))
+    train_steps(engine, batches("mlp", 2), 2)
+    engine.save_checkpoint(str(tmp_path))
+    yield engine, tmp_path
+    engine.close()
+
+
+@pytest.mark.parametrize("left_out", [optim_file(0), model_file(0)])
+def test_a_manifest_that_leaves_out_a_file_is_refused_and_the_file_never_read_unverified(saved, left_out):
+    engine, root = saved
+    folder = root / "global_step2"
+    manifest_path = folder / MANIFEST.format(rank=0)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"].pop(left_out)
+    manifest_path.write_text(json.dumps(manifest))
+    victim = folder / left_out
+    _flip(victim, _record_data_offset(victim, "archive/data/0") + 8)  # its first record
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError, match=f"manifest '{manifest_path}' is damaged: it lists no '{left_out}'"):
+        engine.load_checkpoint(str(root))
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_latest_that_is_not_text_is_named_with_the_checkpoints_there(saved):
+    _, root = saved
+    _flip(root / "latest", 3, 0x80)
+    with pytest.raises(CheckpointError, match=r"latest' is damaged.*checkpoints there: global_step2"):
+        resolve_folder(root)
+
+
+# -- weight files read back by load_full_state and --model -------------------------------------------------------
+
+
+_OPEN: list = []  # the engines `_engine` made in this test, closed after it
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def _engine(seed: int = 0, save_16bit: bool = False):
+    extra = {"stage3_gather_16bit_weights_on_model_save": True} if save_16bit else None
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp", seed), config=config("mlp", extra_zero=extra))
+    _OPEN.append(engine)
+    return engine
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.safetensors"])
+def test_a_flipped_byte_in_a_16bit_weight_file_is_named_not_loaded(tmp_path, name):
+    engine = _engine(save_16bit=True)
+    train_steps(engine, batches("mlp", 2), 1)
+    engine.save_16bit_model(str(tmp_path), name)
+    path = tmp_path / name
+    source = path if name.endswith(".bin") else tmp_path
+    fresh = _engine(seed=5)
+    fresh.load_full_state(str(source))  # intact: loads
+    expected = engine.full_state_dict()
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in expected.items())
+    _flip(path, path.stat().st_size * 3 // 4)  # inside the weights' data
+    fresh = _engine(seed=5)
+    before = fresh.full_state_dict()
+    with pytest.raises(ValueError, match=f"weight file '{path}' cannot be read, it is damaged"):
+        fresh.load_full_state(str(source))
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_truncated_torch_weight_file_is_named(tmp_path):
+    engine = _engine(save_16bit=True)
+    engine.save_16bit_model(str(tmp_path), "pytorch_model.bin")
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    with pytest.raises(ValueError, match=f"weight file '{path}' cannot be read, it is damaged"):
+        _engine(seed=5).load_full_state(str(path))
+
+
+def test_a_flipped_byte_in_a_hugging_face_shard_is_named_not_read(tmp_path):
+    """What `--save-hf` writes and `--model` reads back: sharded safetensors and their index."""
+    from infinity.models.hf_weights import checkpoint_tensors, write_hf_weights
+
+    model = make_model("mlp")
+    state = model.state_dict()
+    files = write_hf_weights(state.items(), tmp_path / "out", max_shard_bytes=3000)
+    shards = [f for f in files if f.suffix == ".safetensors"]
+    assert len(shards) > 1
+    tensors = checkpoint_tensors(tmp_path / "out", model)
+    assert all(torch.equal(tensors[k], v) for k, v in state.items())
+    _flip(shards[0], shards[0].stat().st_size * 3 // 4)
+    tensors = checkpoint_tensors(tmp_path / "out", model)
+    with pytest.raises(ValueError, match=f"weight file '{shards[0]}' cannot be read, it is damaged"):
+        [tensors[k] for k in state]
+
+
+# -- a profiled trial's trace, read back by the tuner --------------------------------------------------------------
+
+
+def test_the_tuner_leaves_out_a_malformed_trace_record_as_the_report_does(tmp_path):
+    from infinity.profiler.synthetic import SCENARIOS, write_scenario
+    from infinity.profiler.traces import load_traces
+    from infinity.tuning.auto_prefetch import auto_prefetch
+
+    path = Path(write_scenario(str(tmp_path), next(iter(SCENARIOS.values()))))
+    lines = path.read_bytes().split(b"\n")
+    k = next(i for i in range(len(lines) // 2, len(lines)) if b'"type":"move"' in lines[i] and b"'param'" in lines[i])
+    lines[k] = lines[k].replace(b'"bytes"', b'"bytez"')
+    path.write_bytes(b"\n".join(lines))
+    evidence = auto_prefetch(load_traces([tmp_path]), "nvme", 1000)
+    assert evidence.bucket_elems >= 1000
+
+
+def test_a_save_hf_folder_damaged_on_disk_stops_the_next_run_in_one_line(tmp_path):
+    """`infinity train --save-hf OUT`, one byte of OUT's weights flipped, then `infinity train --model OUT`."""
+    pytest.importorskip("transformers")
+    import contextlib
+    import io
+
+    from hf_cases import save_tiny_llama, write_jsonl
+
+    from infinity.cli import main
+    from infinity.cli.faults import ExitCode
+
+    save_tiny_llama(tmp_path / "llama")
+    write_jsonl(tmp_path / "data.jsonl")
+    common = ["train", "--data", str(tmp_path / "data.jsonl"), "--seq", "32", "--steps", "1", "--offload", "cpu"]
+    out = tmp_path / "out"
+    assert (
+        main([*common, "--model", str(tmp_path / "llama"), "--save-dir", str(tmp_path / "ck0"), "--save-hf", str(out)])
+        == 0
+    )
+    shard = max(out.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    _flip(shard, shard.stat().st_size // 2)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([*common, "--model", str(out), "--save-dir", str(tmp_path / "ck")])
+    assert code == ExitCode.CHECKPOINT
+    assert f"weight file '{shard}' cannot be read, it is damaged" in err.getvalue()
+    assert "Traceback" not in err.getvalue() and not (tmp_path / "ck").exists()
