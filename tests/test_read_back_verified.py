@@ -157,6 +157,18 @@ def test_a_flipped_byte_in_a_16bit_weight_file_is_named_not_loaded(tmp_path, nam
     assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in before.items())
 
 
+def test_a_safetensors_file_written_elsewhere_has_no_checksum_and_loads(tmp_path):
+    """Only infinity's writer records the SHA-256: a file from another writer (here safetensors' own) is read
+    as before, its layout checked by safetensors."""
+    from safetensors.torch import save_file
+
+    state = _engine().full_state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    fresh = _engine(seed=5)
+    fresh.load_full_state(str(tmp_path))
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in state.items())
+
+
 def test_a_truncated_torch_weight_file_is_named(tmp_path):
     engine = _engine(save_16bit=True)
     engine.save_16bit_model(str(tmp_path), "pytorch_model.bin")

@@ -160,9 +160,13 @@ def _verify_safetensors(path: Path) -> None:
             raise _damaged(path, f"its header length ({n}) does not fit in its {size} bytes")
         raw = f.read(n)
         try:
-            expected = json.loads(raw).get("__metadata__", {}).get(CHECKSUM_KEY)
-        except (ValueError, AttributeError) as exc:
+            header = json.loads(raw)
+        except ValueError as exc:  # not JSON, or not UTF-8
             raise _damaged(path, f"its header is not a JSON object of tensors ({exc})") from exc
+        if not isinstance(header, dict):
+            raise _damaged(path, "its header is not a JSON object of tensors")
+        metadata = header.get("__metadata__")
+        expected = metadata.get(CHECKSUM_KEY) if isinstance(metadata, dict) else None
         if expected is None:
             return  # written elsewhere: safetensors checks the layout when the file is opened
         at = raw.find(_digest_field(str(expected)))

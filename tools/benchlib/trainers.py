@@ -183,6 +183,7 @@ def _ds_config(cfg: TrainConfig, opts: StepOptions, framework: str) -> dict[str,
         "train_micro_batch_size_per_gpu": opts.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": opts.clip,
+        "steps_per_print": 1_000_000,  # no progress log in the timed steps, either framework's
         "optimizer": {"type": "AdamW", "params": {**HYPER, "betas": list(HYPER["betas"])}},
         "bf16": {"enabled": opts.dtype == "bf16"},
         "zero_optimization": zero,
@@ -193,7 +194,6 @@ def _ds_config(cfg: TrainConfig, opts: StepOptions, framework: str) -> dict[str,
         config.update(
             fp16={"enabled": False},
             aio={"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1},
-            steps_per_print=1_000_000,
         )
     return config
 
