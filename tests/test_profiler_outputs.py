@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from test_profiler_report import write_known_step
+from trace_edits import reseal
 
 from infinity.profiler.cli import main
 from infinity.profiler.perfetto import _lanes, chrome_trace
@@ -181,7 +182,7 @@ def test_a_trace_that_is_not_utf8_is_named_with_its_line_and_offset(tmp_path: Pa
 def test_a_meta_line_whose_settings_is_not_an_object_is_named(tmp_path: Path, capsys) -> None:
     path = write_known_step(tmp_path)
     meta, rest = path.read_text().split("\n", 1)
-    path.write_text(json.dumps({**json.loads(meta), "settings": "x"}) + "\n" + rest)
+    path.write_text(reseal(json.dumps({**json.loads(meta), "settings": "x"}) + "\n" + rest))
     assert main([str(path), "--no-plots"]) == 2
     line = _one_error_line(capsys)
     assert f"{path}:1: the meta line's 'settings' is \"x\", needs a JSON object" in line

@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from trace_edits import reseal
 
 from infinity.profiler import TraceWriter
 from infinity.profiler.analysis import bytes_by_pair, drop_malformed, summarize, union_ns, validate
+from infinity.profiler.encoding import seal_object
 from infinity.profiler.report import build_report
 from infinity.profiler.traces import load_traces
 
@@ -176,7 +178,7 @@ def test_validator_names_malformed_records_and_overlapping_spans(tmp_path: Path)
          "phase": "forward"},
     ]
     with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in bad)
+        f.writelines(seal_object(r) for r in bad)
     traces = load_traces([path])
     problems = validate(traces)
     assert any("bad tiers" in p for p in problems)
@@ -200,7 +202,7 @@ def test_a_bad_line_in_the_middle_is_an_error_naming_the_line(tmp_path: Path) ->
     lines = path.read_text().splitlines()
     lines[3] = lines[3][:10]
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=r"trace_rank0.jsonl:4: not a JSON line"):
+    with pytest.raises(ValueError, match=r"trace_rank0.jsonl:4: the line has lost its checksum"):
         load_traces([path])
 
 
@@ -234,7 +236,7 @@ def test_a_meta_line_the_reader_cannot_use_is_an_error_naming_the_file_and_field
 ) -> None:
     path = write_known_step(tmp_path)
     meta, rest = path.read_text().split("\n", 1)
-    path.write_text(json.dumps({**json.loads(meta), field: value}) + "\n" + rest)
+    path.write_text(reseal(json.dumps({**json.loads(meta), field: value}) + "\n" + rest))
     with pytest.raises(ValueError, match="trace_rank0.jsonl:1: the meta line") as info:
         load_traces([path])
     assert named in str(info.value)

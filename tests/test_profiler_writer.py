@@ -14,6 +14,7 @@ import pytest
 from infinity.config import load_config
 from infinity.profiler import TraceWriter, open_trace_writer, settings_from_config
 from infinity.profiler.analysis import bytes_by_pair, validate
+from infinity.profiler.encoding import seal_state
 from infinity.profiler.format import FIELDS, VERSION
 from infinity.profiler.traces import load_traces
 
@@ -21,7 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _lines(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    """The records of the trace at `path`, each line's checksum checked and left out."""
+    lines = Path(path).read_text().splitlines()
+    assert all(seal_state(line) for line in lines)
+    return [{k: v for k, v in json.loads(line).items() if k != "crc32"} for line in lines]
 
 
 def test_meta_is_the_first_line_and_is_on_disk_at_once(tmp_path: Path) -> None:

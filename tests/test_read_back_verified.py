@@ -3,7 +3,8 @@
 Gaps in the verification that the swap (test_swap_integrity) and checkpoint (test_checkpoint*) tests leave
 open, each shown on real files damaged on disk: the token cache's header and sidecar, a checkpoint manifest
 that leaves a file out, a `latest` that is not text, 16-bit weight files and Hugging Face weight shards
-(read back by `load_full_state` and `--model`), and a profiled trial's trace read by the tuner.
+(read back by `load_full_state` and `--model`), a profiled trial's trace read by the tuner, and the
+checksum every trace line carries (format version 2), read by `infinity profile`.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def test_a_flipped_byte_in_a_hugging_face_shard_is_named_not_read(tmp_path):
 
 
 def test_the_tuner_leaves_out_a_malformed_trace_record_as_the_report_does(tmp_path):
+    from trace_edits import reseal
+
     from infinity.profiler.synthetic import SCENARIOS, write_scenario
     from infinity.profiler.traces import load_traces
     from infinity.tuning.auto_prefetch import auto_prefetch
@@ -207,7 +210,7 @@ def test_the_tuner_leaves_out_a_malformed_trace_record_as_the_report_does(tmp_pa
     lines = path.read_bytes().split(b"\n")
     k = next(i for i in range(len(lines) // 2, len(lines)) if b'"type":"move"' in lines[i] and b"'param'" in lines[i])
     lines[k] = lines[k].replace(b'"bytes"', b'"bytez"')
-    path.write_bytes(b"\n".join(lines))
+    path.write_text(reseal(b"\n".join(lines).decode()))
     evidence = auto_prefetch(load_traces([tmp_path]), "nvme", 1000)
     assert evidence.bucket_elems >= 1000
 
@@ -239,3 +242,67 @@ def test_a_save_hf_folder_damaged_on_disk_stops_the_next_run_in_one_line(tmp_pat
     assert code == ExitCode.CHECKPOINT
     assert f"weight file '{shard}' cannot be read, it is damaged" in err.getvalue()
     assert "Traceback" not in err.getvalue() and not (tmp_path / "ck").exists()
+
+
+def _move_line(path: Path) -> int:
+    """The index of a move record in the middle of the trace at `path`."""
+    lines = path.read_text().splitlines()
+    return next(i for i in range(len(lines) // 2, len(lines)) if '"type":"move"' in lines[i])
+
+
+def _profiled(tmp_path: Path) -> Path:
+    from infinity.profiler.synthetic import SCENARIOS, write_scenario
+
+    return Path(write_scenario(str(tmp_path / "traces"), SCENARIOS["clipped"]))
+
+
+def test_a_changed_digit_in_a_trace_stops_the_report_naming_the_line(tmp_path, capsys):
+    """Still JSON and well formed, so only the checksum can tell: without it the report counts other bytes."""
+    from infinity.profiler.cli import main
+
+    path = _profiled(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    k = _move_line(path)
+    lines[k] = lines[k].replace('"bytes":', '"bytes":9', 1)
+    path.write_text("".join(lines))
+    assert main([str(path.parent), "--no-plots", "--out", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert f"{path}:{k + 1}: the line's checksum does not match its text" in err and "record the trace again" in err
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_trace_line_that_lost_its_checksum_is_named_but_a_cut_last_line_is_skipped(tmp_path):
+    import re
+
+    from infinity.profiler.traces import load_traces
+
+    path = _profiled(tmp_path)
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    k = _move_line(path)
+    lines[k] = re.sub(r',"crc32":\d+\}', "}", lines[k])
+    path.write_text("".join(lines))
+    with pytest.raises(ValueError, match=rf"trace_rank0.jsonl:{k + 1}: the line has lost its checksum"):
+        load_traces([path])
+    path.write_text(text + text.splitlines(keepends=True)[k][:-12])  # a writer that died mid-line
+    assert load_traces([path])[0].truncated
+
+
+def test_a_version_1_trace_has_no_checksums_and_reads_as_before(tmp_path):
+    import re
+
+    from infinity.profiler.analysis import bytes_by_pair, validate
+    from infinity.profiler.traces import load_traces
+
+    path = _profiled(tmp_path)
+    sealed = load_traces([path])
+    assert sealed[0].meta["version"] == 2
+    text = path.read_text().replace('"version":2', '"version":1', 1)
+    path.write_text(re.sub(r',"crc32":\d+\}', "}", text))
+    old = load_traces([path])
+    assert validate(old) == [] and bytes_by_pair(old) == bytes_by_pair(sealed)
+    assert old[0].records == sealed[0].records
+    path.write_text(path.read_text().replace('"version":1', '"version":2', 1))
+    with pytest.raises(ValueError, match="trace_rank0.jsonl:1: a version 2 meta line without its checksum"):
+        load_traces([path])

@@ -21,8 +21,8 @@ from infinity.profiler.format import (
     PHASES,
     POOL_EVENTS,
     QUEUE_STREAMS,
+    READABLE_VERSIONS,
     TIERS,
-    VERSION,
     WAIT_KINDS,
     tier_pair,
 )
@@ -77,8 +77,10 @@ def validate(traces: Iterable[RankTrace], limit: int = 50) -> list[str]:
     problems: list[str] = []
     for trace in traces:
         where = f"rank {trace.rank} ({trace.path})"
-        if trace.meta.get("version") != VERSION:
-            problems.append(f"{where}: format version {trace.meta.get('version')!r}, this reader knows {VERSION}")
+        if trace.meta.get("version") not in READABLE_VERSIONS:
+            problems.append(
+                f"{where}: format version {trace.meta.get('version')!r}, this reader knows {READABLE_VERSIONS}"
+            )
         if problem := record_problem(trace.meta):
             problems.append(f"{where}: {problem}")
         for records in trace.records.values():

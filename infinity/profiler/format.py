@@ -1,10 +1,11 @@
-"""The swap-trace format, version 1: one JSON-lines file per rank, written while the run goes.
+"""The swap-trace format, version 2: one JSON-lines file per rank, written while the run goes.
 
 Files: `<profiler.path>/trace_rank{r}.jsonl`, one JSON object per line, appended in batches (at
 least at every step end), so a crashed run leaves every line but the last few and at most one cut
 last line, which readers skip. Times are integer nanoseconds of `time.perf_counter_ns()` in the
 writing process: monotonic within one file, comparable across files only through the meta line's
-`t0_ns` / `t0_unix_ns` pair. Bytes are integers; GB means 1e9 bytes. Every record has `type`.
+`t0_ns` / `t0_unix_ns` pair. Bytes are integers; GB means 1e9 bytes. Every record has `type`, and
+every line ends with its checksum, `"crc32"`, which readers check (`encoding.seal`; version 1 lines have none).
 
 Records (required fields; `step` / `phase` are the step number and phase when the event was written):
 
@@ -55,7 +56,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-VERSION = 1
+VERSION = 2  # 2: every line carries its CRC-32 (`encoding.seal`); version 1 lines carry none and are read unchecked
+READABLE_VERSIONS = (1, 2)
 TIERS = ("device", "host", "nvme")
 PHASES = ("forward", "backward", "optimizer")
 COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "broadcast")

@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from infinity.profiler.encoding import seal_state
 from infinity.profiler.format import meta_problem, tier_pair
 
 Record = dict[str, Any]
@@ -115,13 +116,22 @@ def _text_lines(path: str) -> list[tuple[int, str | _NotUtf8]]:
     return lines
 
 
+def _damaged(path: str, n: int, why: str) -> ValueError:
+    return ValueError(
+        f"{path}:{n}: {why}: the file changed after the profiler wrote it (a damaged disk or an edit); "
+        "record the trace again"
+    )
+
+
 def load_trace(path: str | os.PathLike) -> RankTrace:
     """Read one rank's file; raises ValueError naming the file and line for a bad line other than a cut last
-    one (not JSON, not UTF-8, not a record) and for a meta line the reader cannot use."""
+    one (not JSON, not UTF-8, not a record, a checksum that does not match its text, or no checksum where the
+    meta line has one) and for a meta line the reader cannot use. Version 1 traces carry no checksums."""
     path = os.fspath(path)
     lines = _text_lines(path)
     trace: RankTrace | None = None
     truncated = False
+    sealed = False  # the meta line carried a checksum, so every line must
     for i, (n, line) in enumerate(lines):
         last = i == len(lines) - 1
         if isinstance(line, _NotUtf8):
@@ -132,6 +142,15 @@ def load_trace(path: str | os.PathLike) -> RankTrace:
                 f"{path}:{n}: byte 0x{line.byte:02x} at offset {line.offset} is not UTF-8; a trace is UTF-8 JSON "
                 "lines written by the infinity profiler"
             )
+        state = seal_state(line)
+        if state is False:
+            raise _damaged(path, n, "the line's checksum does not match its text")
+        if state is None and sealed:
+            if last:  # the writer died mid-line
+                truncated = True
+                break
+            raise _damaged(path, n, "the line has lost its checksum")
+        sealed = sealed or (trace is None and state is True)
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -141,7 +160,10 @@ def load_trace(path: str | os.PathLike) -> RankTrace:
             raise ValueError(f"{path}:{n}: not a JSON line ({exc}); only the last line of a trace may be cut") from exc
         if not isinstance(record, dict) or "type" not in record:
             raise ValueError(f"{path}:{n}: a record must be a JSON object with a 'type'")
+        record.pop("crc32", None)
         if trace is None:
+            if not sealed and isinstance(record.get("version"), int) and record["version"] >= 2:
+                raise _damaged(path, n, f"a version {record['version']} meta line without its checksum")
             if record["type"] != "meta":
                 raise ValueError(f"{path}:{n}: the first record must be 'meta', got {record['type']!r}")
             if problem := meta_problem(record):

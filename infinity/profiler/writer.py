@@ -17,7 +17,6 @@ first move (`format.gather_source`); the analysis refines stalls from the moves 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import threading
 import time
@@ -26,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from infinity.profiler.encoding import encode_record
+from infinity.profiler.encoding import encode_record, seal_object
 from infinity.profiler.format import COLLECTIVE_OPS, VERSION, gather_source, trace_filename
 
 now_ns = time.perf_counter_ns
@@ -115,7 +114,7 @@ class TraceWriter:
             meta["config"] = config
         if device is not None:
             meta["device"] = device
-        self._file.write(json.dumps(meta, separators=(",", ":")) + "\n")
+        self._file.write(seal_object(meta))
         self._file.flush()
         atexit.register(self.close)
 
