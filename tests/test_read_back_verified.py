@@ -215,33 +215,100 @@ def test_the_tuner_leaves_out_a_malformed_trace_record_as_the_report_does(tmp_pa
     assert evidence.bucket_elems >= 1000
 
 
-def test_a_save_hf_folder_damaged_on_disk_stops_the_next_run_in_one_line(tmp_path):
-    """`infinity train --save-hf OUT`, one byte of OUT's weights flipped, then `infinity train --model OUT`."""
+@pytest.fixture(scope="module")
+def saved_hf(tmp_path_factory):
+    """`infinity train --save-hf OUT` from a tiny Llama, once: OUT and the flags of a one-step run on its data."""
     pytest.importorskip("transformers")
+    from hf_cases import save_tiny_llama, write_jsonl
+
+    root = tmp_path_factory.mktemp("save_hf")
+    save_tiny_llama(root / "llama")
+    write_jsonl(root / "data.jsonl")
+    common = ["train", "--data", str(root / "data.jsonl"), "--seq", "32", "--steps", "1", "--offload", "cpu"]
+    code, err = _cli([*common, "--model", str(root / "llama"), "--save-dir", str(root / "ck0"), "--save-hf",
+                      str(root / "out")])  # fmt: skip
+    assert code == 0, err
+    return root / "out", common
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    """`infinity ARGS` in this process: the exit code and what it wrote on stderr."""
     import contextlib
     import io
 
-    from hf_cases import save_tiny_llama, write_jsonl
-
     from infinity.cli import main
-    from infinity.cli.faults import ExitCode
 
-    save_tiny_llama(tmp_path / "llama")
-    write_jsonl(tmp_path / "data.jsonl")
-    common = ["train", "--data", str(tmp_path / "data.jsonl"), "--seq", "32", "--steps", "1", "--offload", "cpu"]
-    out = tmp_path / "out"
-    assert (
-        main([*common, "--model", str(tmp_path / "llama"), "--save-dir", str(tmp_path / "ck0"), "--save-hf", str(out)])
-        == 0
-    )
-    shard = max(out.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    _flip(shard, shard.stat().st_size // 2)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main([*common, "--model", str(out), "--save-dir", str(tmp_path / "ck")])
+        code = main(args)
+    return code, err.getvalue()
+
+
+def test_a_save_hf_folder_damaged_on_disk_stops_the_next_run_in_one_line(saved_hf, tmp_path):
+    """`infinity train --save-hf OUT`, one byte of OUT's weights flipped, then `infinity train --model OUT`."""
+    import shutil
+
+    from infinity.cli.faults import ExitCode
+
+    out = shutil.copytree(saved_hf[0], tmp_path / "out")
+    shard = max(out.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    _flip(shard, shard.stat().st_size // 2)
+    code, err = _cli([*saved_hf[1], "--model", str(out), "--save-dir", str(tmp_path / "ck")])
     assert code == ExitCode.CHECKPOINT
-    assert f"weight file '{shard}' cannot be read, it is damaged" in err.getvalue()
-    assert "Traceback" not in err.getvalue() and not (tmp_path / "ck").exists()
+    assert f"weight file '{shard}' cannot be read, it is damaged" in err
+    assert "Traceback" not in err and not (tmp_path / "ck").exists()
+
+
+def test_a_save_hf_folder_lists_the_checksums_of_its_config_and_tokenizer(saved_hf):
+    from infinity.models.folder_checksums import CHECKSUMS_FILE
+
+    out = saved_hf[0]
+    listed = json.loads((out / CHECKSUMS_FILE).read_text())["files"]
+    small = {p.name for p in out.iterdir() if p.suffix not in (".safetensors", ".bin") and p.name != CHECKSUMS_FILE}
+    assert set(listed) == small and {"config.json", "tokenizer_config.json"} <= small
+    assert all(len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in listed.values())
+
+
+def _edit_config(folder: Path) -> None:
+    """A config that is still valid JSON and still a Llama, but another model: only a checksum can tell."""
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+DAMAGE = {
+    "config edited": (_edit_config, "config.json' differs from the file infinity wrote with the folder"),
+    "tokenizer file gone": (lambda f: (f / "tokenizer_config.json").unlink(), "tokenizer_config.json' is missing"),
+    "checksum list changed": (
+        lambda f: _flip(f / "infinity_checksums.json", 60),
+        "infinity_checksums.json' is damaged",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_changed_config_or_tokenizer_in_a_save_hf_folder_stops_train_and_estimate_in_one_line(
+    saved_hf, tmp_path, damage
+):
+    import shutil
+
+    from infinity.cli.faults import ExitCode
+    from infinity.models.folder_checksums import CHECKSUMS_FILE
+
+    out = shutil.copytree(saved_hf[0], tmp_path / "out")
+    apply, named = DAMAGE[damage]
+    apply(out)
+    for args in (
+        [*saved_hf[1], "--model", str(out), "--save-dir", str(tmp_path / "ck")],
+        ["estimate", "--model", str(out)],
+    ):
+        code, err = _cli(args)
+        assert code == ExitCode.CHECKPOINT, err
+        assert named in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()
+    (out / CHECKSUMS_FILE).unlink()  # what the message offers for a file edited on purpose: read it unchecked
+    if damage != "tokenizer file gone":
+        assert _cli(["estimate", "--model", str(out)])[0] == 0
 
 
 def _move_line(path: Path) -> int:

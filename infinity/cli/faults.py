@@ -38,7 +38,7 @@ exit codes:
   3    a path: missing, a file where a folder belongs, not writable (permissions, read-only)
   4    disk full while writing swap, a checkpoint or an output file
   5    swap file: used by another live run, a foreign file in the way, or damaged
-  6    checkpoint: missing, incomplete, damaged, or from another model or run
+  6    checkpoint: missing, incomplete, damaged, or from another model or run; a damaged model folder
   7    peer: another rank died, stopped or hung, or the rendezvous store stopped answering
   8    memory: a memory budget cannot hold what the run needs
   130  interrupted by SIGINT (Ctrl-C); 143: by SIGTERM
@@ -107,6 +107,7 @@ def classify(exc: BaseException) -> Fault | None:
     from infinity.config import ConfigError
     from infinity.data.text import DataError
     from infinity.engine.checkpoint import CheckpointError
+    from infinity.models.weight_files import DamagedFileError
     from infinity.storage.errors import BudgetError, StorageError, SwapFileError
 
     if isinstance(exc, CommandError):
@@ -121,7 +122,7 @@ def classify(exc: BaseException) -> Fault | None:
         return Fault(ExitCode.USAGE, str(exc))
     if isinstance(exc, ImportError) and "pip install" in str(exc):  # an optional extra the run needs
         return Fault(ExitCode.USAGE, str(exc))
-    if isinstance(exc, CheckpointError):
+    if isinstance(exc, (CheckpointError, DamagedFileError)):
         return Fault(ExitCode.CHECKPOINT, str(exc))
     if isinstance(exc, CommError):
         return Fault(ExitCode.PEER, str(exc))

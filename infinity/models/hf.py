@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError
+from infinity.models.folder_checksums import CHECKSUMS_FILE, verify_folder_checksums, write_folder_checksums
 from infinity.models.meta import parameters_on_meta
 
 CONFIG_FILE = "config.json"
@@ -75,11 +76,13 @@ class HFFolder:
 
 def load_hf_folder(path: str | os.PathLike, with_tokenizer: bool = True) -> HFFolder:
     """Build the causal language model a Hugging Face folder describes, without its weights (see the module
-    docstring); the tokenizer too when the folder has one and `with_tokenizer`."""
+    docstring); the tokenizer too when the folder has one and `with_tokenizer`. The files infinity listed when
+    it wrote the folder are checked first (`folder_checksums`)."""
     transformers = require_transformers()
     folder = Path(path)
     if not is_hf_folder(folder):
         raise ConfigError(f"'{folder}' is not a Hugging Face model folder: it has no {CONFIG_FILE}")
+    verify_folder_checksums(folder)  # before transformers reads config.json and the tokenizer
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:  # transformers' own words: an unreadable or unknown config.json
@@ -138,7 +141,7 @@ def find_block_classes(model: nn.Module) -> tuple[str, ...]:
 _HF_FILE = re.compile(
     r"[\w.-]*\.(safetensors|bin)|[\w.-]*\.index\.json|(generation_|tokenizer_|preprocessor_)?config\.json"
     r"|tokenizer\.(json|model)|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt"
-    r"|spiece\.model|chat_template\.(jinja|json)"
+    r"|spiece\.model|chat_template\.(jinja|json)|" + re.escape(CHECKSUMS_FILE)
 )
 
 
@@ -195,6 +198,7 @@ def save_hf_folder(engine, hf: HFFolder, out: str | os.PathLike, max_shard_bytes
         generation.save_pretrained(staging)
     if hf.tokenizer is not None:
         hf.tokenizer.save_pretrained(staging)
+    write_folder_checksums(staging)
     old = out.with_name(f".{out.name}.old")
     if out.exists():  # an earlier Hugging Face folder (`check_hf_output`): replaced once the new one is complete
         shutil.rmtree(old, ignore_errors=True)

@@ -131,9 +131,13 @@ def _digest_field(hexdigest: str) -> bytes:
     return _DIGEST_PREFIX + hexdigest.encode() + b'"'
 
 
-def _damaged(path: Path, why: str) -> ValueError:
+class DamagedFileError(ValueError):
+    """A file infinity wrote no longer holds what it wrote (a checksum does not match, or it is cut short)."""
+
+
+def _damaged(path: Path, why: str) -> DamagedFileError:
     """The error for a damaged weight file: which file, what is wrong, what to do."""
-    return ValueError(
+    return DamagedFileError(
         f"weight file '{path}' cannot be read, it is damaged: {why}; write it again, or copy it again from "
         "where it came from"
     )
