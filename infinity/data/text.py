@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from infinity.storage.checksum import file_sha256
+
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 CACHE_FORMAT = 1
 _DOCS_PER_BATCH = 512
@@ -142,14 +144,6 @@ def tokenize_file(path: Path, tokenizer) -> np.ndarray:
     return np.asarray(stream, dtype=np.uint32)
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _read_sidecar(sidecar: Path) -> dict[str, Any] | None:
     """A cache sidecar's JSON object, or None when it is unreadable or damaged (not text, not an object)."""
     try:
@@ -168,7 +162,7 @@ def _content_hash(path: Path) -> str:
             continue
         if meta.get("source_size") == stat.st_size and meta.get("source_mtime_ns") == stat.st_mtime_ns:
             return meta["source_sha256"]
-    return _file_sha256(path)
+    return file_sha256(path)
 
 
 def cache_paths(path: Path, tokenizer) -> tuple[Path, Path, str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import hashlib
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from typing import Any
 
 from infinity.engine.checkpoint_format import Produce, TorchFileReader, write_torch_object
 from infinity.estimator import format_bytes
+from infinity.storage.checksum import file_sha256
 
 MANIFEST = "manifest_rank{rank}.json"
 LATEST = "latest"
@@ -45,14 +45,6 @@ def model_file(rank: int) -> str:
 
 def optim_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -158,7 +150,7 @@ def write_file(path: Path, obj: Any, produce: Produce) -> dict[str, Any]:
             os.close(fd)
 
     _written(path, write)
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def write_text(path: Path, text: str) -> None:
@@ -339,7 +331,7 @@ def verify_rank(folder: Path, rank: int, world_size: int) -> None:
             raise CheckpointError(
                 f"checkpoint file '{path}' is truncated: {size} bytes, the manifest says {expect['bytes']}"
             )
-        if _sha256(path) != expect["sha256"]:
+        if file_sha256(path) != expect["sha256"]:
             raise CheckpointError(f"checkpoint file '{path}' is corrupted: its SHA-256 differs from the manifest's")
 
 

@@ -14,18 +14,12 @@ import os
 from pathlib import Path
 
 from infinity.models.weight_files import DamagedFileError
+from infinity.storage.checksum import file_sha256
 
 CHECKSUMS_FILE = "infinity_checksums.json"
 _FORMAT = "infinity-folder-checksums-1"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _listing_digest(files: dict[str, dict[str, object]]) -> str:
@@ -38,7 +32,7 @@ def write_folder_checksums(folder: str | os.PathLike) -> None:
     files: dict[str, dict[str, object]] = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name != CHECKSUMS_FILE and not path.name.endswith(_WEIGHT_SUFFIXES):
-            files[path.name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+            files[path.name] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
     record = {"format": _FORMAT, "files": files, "sha256": _listing_digest(files)}
     (folder / CHECKSUMS_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
@@ -71,7 +65,7 @@ def verify_folder_checksums(folder: str | os.PathLike) -> None:
                 f"'{path}' is missing: infinity wrote it with the folder and lists it in '{CHECKSUMS_FILE}'; copy "
                 "the folder again"
             )
-        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+        if path.stat().st_size != expected["bytes"] or file_sha256(path) != expected["sha256"]:
             raise DamagedFileError(
                 f"'{path}' differs from the file infinity wrote with the folder (its SHA-256 in '{CHECKSUMS_FILE}'): "
                 f"it is damaged or was edited; copy the folder again, or, if you edited it on purpose, delete "

@@ -1,4 +1,5 @@
-"""CRC32C of host memory, the checksum every swap write records and every swap read is checked against.
+"""CRC32C of host memory, the checksum every swap write records and every swap read is checked against;
+and `file_sha256`, the digest the files infinity writes for people (checkpoints, model folders, caches) record.
 
 The native I/O engine computes it per chunk on its worker threads; `crc32c` here serves the aiofiles
 backend and tests. The path is chosen at run time: the best this CPU runs, or $INFINITY_CRC32C. "avx512"
@@ -10,7 +11,9 @@ from DRAM); "table" is for CPUs with neither. All three give the same values.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -73,3 +76,12 @@ def crc32c(data: torch.Tensor | bytes | bytearray | memoryview, crc: int = 0, pa
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32C of A || B from crc32c(A), crc32c(B) and len(B)."""
     return _native().combine(crc_a, crc_b, len_b)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the file at `path`, as hex digits, read in 4 MiB pieces."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
