@@ -21,7 +21,6 @@ _FORMAT = "infinity-folder-checksums-1"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
-
 def _listing_digest(files: dict[str, dict[str, object]]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
