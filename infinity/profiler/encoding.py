@@ -39,7 +39,6 @@ _layout("peak", "$tier", "bytes", "step", "t_ns")
 _layout("rss", "bytes", "t_ns")
 
 
-
 def encode_record(record: tuple, quoted: dict[Hashable, str]) -> str:
     """One JSON line for `record`; `quoted` caches the JSON text of string fields (keys repeat). Raises
     TypeError or ValueError for a field of the wrong kind."""
