@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import pytest
 import torch
@@ -123,7 +124,9 @@ def _train(cfg: dict, client: bool) -> tuple[dict[str, torch.Tensor], str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         engine = infinity.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=cfg)[0]
-    train_steps(engine, batches("mlp", 2), 3)
+    with warnings.catch_warnings():  # the engine steps the client's schedule after its own step: torch must not
+        warnings.simplefilter("error")  # warn that the schedule stepped before the (client) optimizer
+        train_steps(engine, batches("mlp", 2), 3)
     state = engine.full_state_dict()
     engine.close()
     return state, err.getvalue()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -321,7 +322,9 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward
         self.scheduler.reshard_all()  # as are blocks a forward left gathered for a backward that never ran
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            with warnings.catch_warnings():  # torch counts the client optimizer's own steps, which the engine's replace
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
+                self.lr_scheduler.step()
             self._sync_hyperparameters(into_client=not self._client_is_truth)
         self.global_steps += 1
 
