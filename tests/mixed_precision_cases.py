@@ -59,17 +59,17 @@ def _mutate(engine, mutation: str | None, monkeypatch_clip) -> None:
     elif mutation == "no_clipping":
         monkeypatch_clip()
     elif mutation in ("grads_left_scaled", "step_skipped"):
-        original = engine.optimizer.step
+        original = engine.optimizer.step_shards
         calls = [0]
 
-        def step(closure=None, grad_scale: float = 1.0, **kwargs):
+        def step_shards(grad_scale: float = 1.0, **kwargs):
             calls[0] += 1
             if mutation == "step_skipped" and calls[0] == 2:
                 return None  # the second applied step updates nothing
             factor = 2.0**16 if mutation == "grads_left_scaled" else 1.0
-            return original(closure, grad_scale=grad_scale * factor, **kwargs)
+            return original(grad_scale=grad_scale * factor, **kwargs)
 
-        engine.optimizer.step = step
+        engine.optimizer.step_shards = step_shards
     else:
         raise KeyError(mutation)
 

@@ -10,12 +10,14 @@ import pytest
 import torch
 from dist import run_distributed
 from engine_features_cases import batch_size_error_on_two_ranks, rank1_dies_mid_step, run_until_stopped
-from harness import config
-from toy_models import make_model
+from harness import assert_weights_close, config, reference_for
+from toy_models import batches, make_model
 
 import infinity
 from infinity.comm import CommError
 from infinity.config import ConfigError
+
+STEPS = 4
 
 # -- the model -------------------------------------------------------------------------------------------
 
@@ -72,6 +74,64 @@ def test_a_refused_initialize_leaves_the_model_usable():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     engine, _, _, _ = infinity.initialize(model=model, config=config("mlp"))
     assert list(engine.full_state_dict()) == list(before)
+
+
+# -- the training loop ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+@pytest.mark.parametrize("stepper", ["engine", "optimizer"])
+def test_loss_backward_in_place_of_engine_backward_is_refused_at_the_step_and_nothing_is_stepped(
+    tmp_path, offload, stepper
+):
+    """An FSDP-style loop: autograd alone would leave the root's gradients (the embedding, the head) with no one to
+    reduce and step them, and the loss unscaled. The step is refused, naming the fix, and no weight moves."""
+    cfg = config("gpt", offload_param=offload, offload_optimizer=offload, nvme_path=str(tmp_path))
+    engine, optimizer, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    before = engine.full_state_dict()
+    x, y = next(batches("gpt", 2))
+    _, loss = engine(x, y)
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"'wte.weight' was made by loss.backward\(\).*call engine.backward\(loss\)"):
+        (engine.step if stepper == "engine" else optimizer.step)()
+    after = engine.full_state_dict()
+    assert engine.global_steps == 0 and all(torch.equal(after[k], v) for k, v in before.items())
+    engine.close()
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_returned_optimizers_step_clips_and_unscales_as_the_engines_does(fp16):
+    """`engine.backward(loss); optimizer.step(); optimizer.zero_grad()` with the optimizer initialize returns (as
+    FSDP users write it) steps as `engine.step()` does: clipped (fp32: equal to plain PyTorch with
+    clip_grad_norm_), and in fp16 unscaled, with overflowing steps skipped. It used to step the raw gradients."""
+
+    def run(use_optimizer: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+        cfg = config("gpt", clip=0.05)
+        if fp16:
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
+        engine, optimizer, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+        data, losses = batches("gpt", 2), []
+        for _ in range(STEPS):
+            x, y = next(data)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            optimizer.step() if use_optimizer else engine.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        state, skipped = engine.full_state_dict(), engine.skipped_steps
+        engine.close()
+        return losses, state, skipped
+
+    losses, state, skipped = run(use_optimizer=True)
+    engine_losses, engine_state, engine_skipped = run(use_optimizer=False)
+    assert losses == engine_losses and skipped == engine_skipped
+    assert all(torch.equal(state[k], v) for k, v in engine_state.items())
+    if fp16:
+        assert skipped > 0  # the first steps overflow at scale 2**16 and are skipped, not stepped
+    else:
+        ref_losses, ref_state, _ = reference_for("gpt", STEPS, 2, clip=0.05)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert_weights_close(state, ref_state)
 
 
 # -- the config ----------------------------------------------------------------------------------------------

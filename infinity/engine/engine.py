@@ -149,6 +149,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
         self.blocks, self.root, self.persistent = shard_model(
             model, plan, groups.group_of, self.shards, self.comm, z.sub_group_size
         )
+        self.optimizer.engine_step = self.step  # the optimizer initialize returns steps as the engine does
         self.reducer = GradReducer(
             self.comm,
             self.optimizer,
@@ -268,6 +269,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
 
     def step(self) -> None:
         """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
+        self._refuse_autograd_backward()
         if self.is_gradient_accumulation_boundary():
             if self._unused_check is not None:
                 self._unused_check.check()
@@ -283,6 +285,19 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             if self.step_log.due(self.global_steps):
                 self.step_log.write(self.global_steps, self.skipped_steps, self.get_lr(), self.last_grad_norm)
         self.micro_steps += 1
+
+    def _refuse_autograd_backward(self) -> None:
+        """`loss.backward()` in place of `engine.backward(loss)` leaves the loss unscaled and the gradients outside
+        blocks (root, persistent parameters) with no one to reduce and step them: refuse rather than drop them."""
+        flats = [f for b in (self.root, self.persistent) for f in b.flats]
+        outside = [s.fqn for f in flats for s, p in zip(f.slots, f.params, strict=True) if p.grad is not None]
+        if outside or self.scheduler.phase.value == "backward":
+            left = f"the gradient of '{outside[0]}' was" if outside else "gradients were"
+            raise RuntimeError(
+                f"{left} made by loss.backward(), which the engine does not see: call engine.backward(loss) instead "
+                "(it scales the loss for gradient accumulation and fp16 and hands every gradient to the optimizer; "
+                "after loss.backward() the parameters outside the blocks would never be stepped)"
+            )
 
     def _sync_hyperparameters(self, into_client: bool) -> None:
         """Copy lr, betas, eps and weight decay between the client optimizer's groups and the engine's."""
@@ -316,7 +331,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
         in_order = self._forward_order()
         if self.grad_replay is not None:
             self.grad_replay.keep_persistent_weights()
-        self.optimizer.step(grad_scale=coef / scale, order=[f for flats in in_order for f in flats])
+        self.optimizer.step_shards(grad_scale=coef / scale, order=[f for flats in in_order for f in flats])
         self.optimizer.zero_grad()
         self.sharing.share(in_order)  # stages 1-2: arrives behind the next forward
         self.persistent.reshard()  # its gathered copy is stale: re-gathered at the next forward

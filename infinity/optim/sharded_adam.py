@@ -9,7 +9,7 @@ belong to the shard store; the step is the stepper's (`optim.steppers`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +43,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_in_backward = shards.placement.step_in_backward
         self.step_deferred = shards.placement.step_timing is StepTiming.BEFORE_NEXT_GATHER
         self._expecting_defer = False  # this backward's deferred step was prepared for (`expect_defer`)
+        self.engine_step: Callable[[], None] | None = None  # what `step()` runs: set by the engine that owns it
         super().__init__([{**hyper, "params": []} for hyper in groups], defaults={})
         self.stepper: Stepper = (
             TorchFusedStepper(shards, self.hyper, adamw_mode)
@@ -139,15 +140,23 @@ class ShardedAdam(torch.optim.Optimizer):
     def hyper(self, group_index: int) -> dict[str, Any]:
         return self.param_groups[group_index]
 
+    def step(self, closure=None) -> None:
+        """The step a user calls: the engine's whole step where an engine owns this optimizer (`engine_step`:
+        clipping, fp16 unscaling, the schedule), else `step_shards` as they are."""
+        if closure is not None:
+            raise ValueError("ShardedAdam.step does not take a closure")
+        if self.engine_step is not None:
+            self.engine_step()
+        else:
+            self.step_shards()
+
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, order: list[FlatParam] | None = None) -> None:
+    def step_shards(self, grad_scale: float = 1.0, order: list[FlatParam] | None = None) -> None:
         """One Adam step on every shard with a gradient, gradients multiplied by `grad_scale` first.
 
         Where the placement defers steps until the next gather, each shard is owed its step (with the
         hyper-parameters as they are now) and stepped when next needed; `order` is the order the next
         forward needs them in (default: the store's)."""
-        if closure is not None:
-            raise ValueError("ShardedAdam.step does not take a closure")
         flats = [f for f, record in self.shards.records.items() if record.has_grad]
         if self.shards.placement.step_timing is StepTiming.BEFORE_NEXT_GATHER:
             rank = {f: i for i, f in enumerate(order or flats)}
