@@ -33,6 +33,7 @@ FP32 = 4
 BUCKET = 3000  # stage3_prefetch_bucket_size: elements
 WINDOW = 4  # offload_optimizer.buffer_count
 HUGE = 1 << 40
+Z = "zero_optimization."
 
 
 def _cfg(param: str, optim: str, host_budget: int | None = None, device_budget: int | None = None, **offload) -> dict:
@@ -53,6 +54,12 @@ def _plan(cfg: dict, world: int = 1) -> MemoryPlan:
 def _largest(world: int = 1) -> tuple[int, int, int]:
     blocks = plan_blocks(make_model("mlp"), ("MLPLayer",), block_size_elems=1, persistence_threshold=0)
     return largest_shard_elems(blocks, world)
+
+
+def _bucket() -> int:
+    """The prefetch bucket the plan counts: BUCKET, but no more than the blocks hold (root and persistent apart)."""
+    _, total, always_gathered = _largest()
+    return min(BUCKET, total - always_gathered)
 
 
 def _optim(world: int = 1, sub_group_elems: int = 10**9) -> int:
@@ -156,7 +163,7 @@ def test_with_the_compute_in_host_memory_an_explicit_budget_also_covers_its_work
     largest, _, always_gathered = _largest()
     in_host = _plan(_cfg("nvme", "nvme", host_budget=HUGE))
     on_device = _plan(_cfg("nvme", "nvme", host_budget=HUGE, device_budget=HUGE))
-    working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, WINDOW) + always_gathered * FP32
+    working = BlockScheduler.working_set_bytes(largest, _bucket(), FP32, WINDOW) + always_gathered * FP32
     assert on_device.param_read_ahead_bytes - in_host.param_read_ahead_bytes == working
     assert in_host.budgets.host_bytes == HUGE - working  # what the tier store may hold beside the compute
 
@@ -176,11 +183,31 @@ def test_a_budget_below_one_optimizer_shard_is_refused_with_the_bytes_needed():
 def test_with_the_compute_in_host_memory_the_bytes_needed_include_its_working_set_and_held_shards():
     largest, total, always_gathered = _largest()
     held = min(BUCKET, total)  # one rank: the prefetch bucket's shards, held from their fetch to their gather
-    working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, WINDOW) + always_gathered * FP32
+    working = BlockScheduler.working_set_bytes(largest, _bucket(), FP32, WINDOW) + always_gathered * FP32
     need = working + _fixed_needs(largest, _optim(), held) + NativeStepper.shard_state_bytes(_optim())
     assert _plan(_cfg("nvme", "nvme", host_budget=need)).optimizer_window == 1
     with pytest.raises(ConfigError, match=rf"is {need - 1};.*needs at least {need} bytes.*raise the budget"):
         _plan(_cfg("nvme", "nvme", host_budget=need - 1))
+
+
+def test_a_prefetch_bucket_larger_than_the_blocks_counts_only_what_they_hold():
+    """DeepSpeed configs often carry stage3_prefetch_bucket_size 5e8: on a small model the bucket cannot gather
+    more than all its blocks, so a budget that holds them fits (it was refused, asking for 2 GB); a budget
+    below it names the bucket among what to lower."""
+    largest, total, always_gathered = _largest()
+    blocks = total - always_gathered
+    exact = _cfg("nvme", "nvme", host_budget=HUGE)
+    exact["zero_optimization"]["stage3_prefetch_bucket_size"] = blocks
+    huge = _cfg("nvme", "nvme", host_budget=HUGE)
+    huge["zero_optimization"]["stage3_prefetch_bucket_size"] = int(5e8)
+    assert _plan(huge) == _plan(exact)
+    working = BlockScheduler.working_set_bytes(largest, blocks, FP32, WINDOW) + always_gathered * FP32
+    assert _plan(huge).budgets.host_bytes == HUGE - working
+    huge["zero_optimization"]["host_budget_bytes"] = working
+    ahead = max(largest, blocks) * FP32
+    named = rf"needs at least .*, {ahead} of them for the weights gathered ahead: .*lower '{Z}stage3_prefetch_bucket"
+    with pytest.raises(ConfigError, match=named):
+        _plan(huge)
 
 
 def test_with_the_optimizer_in_memory_its_buffer_count_changes_nothing_in_the_plan():
@@ -194,7 +221,7 @@ def test_with_the_optimizer_in_memory_its_buffer_count_changes_nothing_in_the_pl
     same = ("budgets", "param_read_ahead_bytes", "freed_block_bytes")  # the window is torch's Adam's: unused
     assert [getattr(plans[0], f) for f in same] == [getattr(plans[1], f) for f in same]
     largest, _, always_gathered = _largest()
-    working = BlockScheduler.working_set_bytes(largest, BUCKET, FP32, 0) + always_gathered * FP32
+    working = BlockScheduler.working_set_bytes(largest, _bucket(), FP32, 0) + always_gathered * FP32
     assert plans[0].budgets.host_bytes == HUGE - working
 
 

@@ -122,7 +122,8 @@ def plan_memory(
     elif host is not None and bounded:
         working = 0
         if placement.compute_in_host_memory:
-            bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+            # the bucket gathers blocks ahead: never more than the blocks hold (root and persistent are apart)
+            bucket = min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters, total - always_gathered)
             waiting = window if optim_on_nvme else 0  # gradients wait in the native stepper's window on NVMe only
             working = BlockScheduler.working_set_bytes(largest * world, bucket, itemsize, waiting)
             working += always_gathered * itemsize
@@ -133,10 +134,12 @@ def plan_memory(
             window = min(window, room // shard_state)
         if room < 0 or window < 1:
             need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
+            ahead = max(largest * world, bucket) * itemsize if working and bucket else 0  # `gathered_bytes_bound`'s
             raise ConfigError(
-                f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} "
-                f"elements) needs at least {need} bytes of host memory to stream through: raise the budget, or "
-                "lower 'zero_optimization.sub_group_size' so that the optimizer streams smaller pieces"
+                f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} elements) "
+                f"needs at least {need} bytes of host memory to stream through, {ahead} of them for the weights "
+                "gathered ahead: raise the budget, or lower 'zero_optimization.stage3_prefetch_bucket_size' (the "
+                "weights gathered ahead) or 'zero_optimization.sub_group_size' (the optimizer's pieces)"
             )
         host -= working
         if param_on_nvme:
