@@ -391,6 +391,28 @@ def test_an_internal_error_is_not_dressed_as_a_user_error():
         guarded("train", bug, debug=False)
 
 
+def test_a_sigterm_while_an_error_is_reported_keeps_that_error_as_the_one_line(monkeypatch, capsys):
+    """When a rank dies, torchrun SIGTERMs the others, often while the survivor is reporting the peer's error
+    (its classification imports modules): the report and its exit code stand, with no traceback."""
+    from infinity.cli import faults
+    from infinity.comm import CommError
+
+    def classify_under_sigterm(exc):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, as torchrun's would be
+        return real_classify(exc)
+
+    def peer_died() -> int:
+        raise CommError("rank 0/2: all-reduce of gradient norm failed: connection closed by peer")
+
+    real_classify = faults.classify
+    monkeypatch.setattr(faults, "classify", classify_under_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    assert faults.guarded("train", peer_died, debug=False) == ExitCode.PEER
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "all-reduce of gradient norm failed" in err and "Traceback" not in err
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_help_lists_every_exit_code(tmp_path):
     done = _infinity(["--help"], tmp_path)
     assert done.returncode == 0

@@ -180,6 +180,8 @@ def guarded(command: str, body: Callable[[], int], debug: bool) -> int:
     try:
         return body()
     except (Exception, KeyboardInterrupt, Interrupted) as exc:
+        if previous is not None:  # torchrun SIGTERMs the other ranks when one dies: this error is the report
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         fault = classify(exc)
         if fault is None:
             raise  # a bug: the traceback is the report
