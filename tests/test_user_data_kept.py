@@ -59,6 +59,19 @@ def test_consolidating_into_a_checkpoint_is_refused_and_it_still_verifies(saved,
     assert (tmp_path / "model.pt").stat().st_size > 0
 
 
+def test_consolidate_does_not_replace_an_existing_file_unless_told_to(saved, tmp_path, capsys):
+    """The output may be a user's own weights or notes: refused in one line (exit 3), kept byte for byte;
+    `--overwrite` replaces it with the consolidated weights."""
+    mine = tmp_path / "model.safetensors"
+    mine.write_bytes(b"a user's own weights")
+    assert main(["consolidate", str(saved), str(mine)]) == ExitCode.PATH
+    err = capsys.readouterr().err
+    assert f"the output '{mine}' exists; name a new file, or pass --overwrite" in err and err.count("\n") == 1
+    assert mine.read_bytes() == b"a user's own weights"
+    assert main(["consolidate", str(saved), str(mine), "--overwrite"]) == 0
+    assert mine.stat().st_size > 1000 and not list(tmp_path.glob(".*partial"))
+
+
 def _engine() -> infinity.InfinityEngine:
     engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=config(micro_bs=2))
     train_steps(engine, batches("gpt", 2), 1)

@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("out", help="output file: .pt/.bin (torch) or .safetensors")
     cons.add_argument("--tag", help="the checkpoint to use instead of the latest")
     cons.add_argument("--format", choices=("torch", "safetensors"), help="default: from OUT's suffix")
+    cons.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (refused otherwise)")
 
     estimate.add_arguments(sub.add_parser("estimate", help="memory needed at each ZeRO stage and offload choice"))
 
@@ -100,7 +101,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     from infinity.estimator import format_bytes
 
     folder = resolve_folder(args.checkpoint, args.tag, tag_hint="name one with --tag TAG")
-    result = consolidate(folder, args.out, fmt=args.format)
+    result = consolidate(folder, args.out, fmt=args.format, overwrite=args.overwrite)
     print(
         f"wrote {result.path} ({result.format}): {result.tensors} tensors, {result.parameters:,} parameters, "
         f"{format_bytes(result.bytes)}"

@@ -68,11 +68,20 @@ def _output_error(out: Path, exc: OSError) -> OSError:
 
 
 def consolidate(
-    ckpt_dir: str | os.PathLike, out: str | os.PathLike, tag: str | None = None, fmt: str | None = None
+    ckpt_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    tag: str | None = None,
+    fmt: str | None = None,
+    overwrite: bool = False,
 ) -> ConsolidateResult:
-    """Write the checkpoint in `ckpt_dir` (its `latest`, or `tag`, or the folder itself) to `out`."""
+    """Write the checkpoint in `ckpt_dir` (its `latest`, or `tag`, or the folder itself) to `out`; an existing
+    `out` is replaced only with `overwrite` (it may be a user's own weights)."""
     folder = resolve_folder(ckpt_dir, tag)
     check_not_in_checkpoints(out, "output")
+    if not overwrite and os.path.lexists(out):
+        raise OSError(
+            errno.EEXIST, f"the output '{out}' exists; name a new file, or pass --overwrite to replace it", str(out)
+        )
     fmt = choose_format(out, fmt)
     with CheckpointFiles(folder) as files:
         for rank in range(files.world_size):
