@@ -7,9 +7,11 @@ naming the key that changes something and its evidence. The runs are synthetic t
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+from trace_edits import reseal
 
 from infinity.profiler import TraceWriter
 from infinity.profiler.analysis import summarize
@@ -101,6 +103,21 @@ def test_reads_issued_too_late_with_an_idle_queue_raise_the_prefetch_bucket(tmp_
     assert "46% of forward stalled on NVMe reads" in r.evidence and "aio.queue_depth=8" in r.evidence
     assert (r.current, r.value) == (50_000_000, 100_000_000)
     assert d.findings[0].setting == Z + "stage3_prefetch_bucket_size"
+
+
+def test_late_reads_of_the_parameters_outside_the_blocks_raise_no_prefetch_bucket(tmp_path: Path) -> None:
+    """The same stalls on `<persistent>` (or `<root>`), read whole as each pass starts: the bucket fetches blocks
+    ahead, not them, so raising it would change nothing (a model whose layers all fall below the persistence
+    threshold, e.g. the default job's before its threshold was lowered, was told to double it again and again)."""
+    write_scenario(str(tmp_path), SCENARIOS["late_prefetch"])
+    path = tmp_path / "trace_rank0.jsonl"
+    stall_block = re.compile(r'^(\{"type":"stall","block":)"[^"]*"', re.M)
+    path.write_text(reseal(stall_block.sub(r'\1"<persistent>"', path.read_text())))
+    traces = load_traces([tmp_path])
+    assert prepare(traces) == []
+    d = diagnose(summarize(traces), traces)
+    assert Z + "stage3_prefetch_bucket_size" not in _settings(d)
+    assert any("outside the blocks (<root>, <persistent>)" in n and "no prefetch setting" in n for n in d.notes)
 
 
 def test_queue_idleness_is_estimated_from_moves_without_queue_records(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from infinity.profiler.knob_effects import (
 from infinity.profiler.traces import RankTrace
 from infinity.profiler.verdict import MARGIN, Bound, Finding, Remedy, bound, find
 
+ALWAYS_GATHERED = ("<root>", "<persistent>")  # the engine's names for them: gathered for a whole pass
 STALL_SHARE = 0.10
 QUEUE_IDLE_SHARE = 0.5
 OPTIMIZER_DISK_BUSY = 0.8
@@ -137,6 +138,15 @@ class _Rules:
             below, total = below + b, total + t
         return (below / total if total else 0.0), measured
 
+    def _block_read_stall_ns(self, phase: str) -> int:
+        """Nanoseconds `phase` stalled on NVMe reads of blocks (what the prefetch bucket fetches ahead)."""
+        return sum(
+            r["end_ns"] - r["start_ns"]
+            for t in self.traces
+            for r in t.of("stall")
+            if r["phase"] == phase and wait_group(r["waited_on"]) == DISK_READ and r["block"] not in ALWAYS_GATHERED
+        )
+
     def stalls(self) -> None:
         f = self.facts
         prefetch = prefetch_change(f.config, f.world_size, f.block_elems)
@@ -159,7 +169,14 @@ class _Rules:
                         f"{_pct(read_share)} of {phase} stalled on NVMe reads while the read queue {how} for "
                         f"{_pct(idle)} of {phase}: reads start too late"
                     )
-                    self.recommend(prefetch, evidence, (phase, DISK_READ))
+                    if self._block_read_stall_ns(phase) / window.wall_ns > STALL_SHARE:
+                        self.recommend(prefetch, evidence, (phase, DISK_READ))
+                    else:  # the bucket fetches blocks ahead; these are read whole as each pass starts
+                        self.notes.append(
+                            f"{evidence}, on the parameters outside the blocks ({', '.join(ALWAYS_GATHERED)}), read "
+                            "whole as each pass starts: no prefetch setting brings them sooner (parameters below "
+                            "stage3_param_persistence_threshold are among them)"
+                        )
                 else:
                     rate, fraction = self._disk_fraction(reads=True)
                     if fraction is None or fraction >= DISK_FRACTION:
