@@ -2,6 +2,7 @@
 
 from infinity.config.auto import AutoValues, resolve_auto, unresolved_auto_keys
 from infinity.config.config import InfinityConfig, load_config, resolve_batch_sizes
+from infinity.config.deepspeed_only import DEEPSPEED_ONLY
 from infinity.config.notices import NO_EFFECT, no_effect_notices
 from infinity.config.schema import AUTO, ConfigError
 from infinity.config.sections import (
@@ -22,6 +23,7 @@ __all__ = [
     "AutoValues",
     "BF16Config",
     "ConfigError",
+    "DEEPSPEED_ONLY",
     "FP16Config",
     "InfinityConfig",
     "NO_EFFECT",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infinity.config.deepspeed_only import split_deepspeed_only
 from infinity.config.params import filled, optimizer_params, scheduler_params
 from infinity.config.schema import AUTO, ConfigError, option, parse_section, to_dict
 from infinity.config.sections import (
@@ -63,6 +64,12 @@ class InfinityConfig:
         choices=(None, "fp32", "fp16", "bf16"),
         doc="dtype gradients are reduced in across ranks (then summed in fp32); null: the compute dtype",
     )
+    deepspeed_only: tuple[tuple[str, Any], ...] = option(
+        (),
+        from_json=False,
+        doc="(dotted key, value) of each DeepSpeed-only key that asks for something without effect here, for its "
+        "notice (`deepspeed_only.DEEPSPEED_ONLY`); set by load_config",
+    )
 
     def __post_init__(self) -> None:
         if self.fp16.enabled is True and self.bf16.enabled is True:
@@ -113,10 +120,13 @@ def _read(source: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
 
 
 def load_config(source: dict[str, Any] | str | os.PathLike | InfinityConfig | None) -> InfinityConfig:
-    """Parse and validate a DeepSpeed-style config given as a dict, a JSON file path or None."""
+    """Parse and validate a DeepSpeed-style config given as a dict, a JSON file path or None; DeepSpeed's keys
+    for machinery infinity lacks are judged by `deepspeed_only.DEEPSPEED_ONLY`."""
     if isinstance(source, InfinityConfig):
         return source
-    return parse_section(InfinityConfig, _read(source))
+    data, noticed = split_deepspeed_only(InfinityConfig, _read(source))
+    cfg = parse_section(InfinityConfig, data)
+    return dataclasses.replace(cfg, deepspeed_only=noticed) if noticed else cfg
 
 
 def resolve_batch_sizes(cfg: InfinityConfig, world_size: int) -> InfinityConfig:

@@ -4,13 +4,16 @@ A DeepSpeed config sets them for DeepSpeed's own machinery; infinity has no such
 what the key would ask for (`NO_EFFECT`). Other keys act only in some runs: with several ranks, with NVMe
 offload, with fp16, without a client optimizer... (`_idle_here`). `no_effect_notices(cfg, ...)` gives one
 line per such key set to a value other than its default; the engine prints them once at start (rank 0), so
-a user never believes a key did something.
+a user never believes a key did something. So are the DeepSpeed-only keys a config asks something of
+(`deepspeed_only.DEEPSPEED_ONLY`, kept in `cfg.deepspeed_only` by `load_config`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
+from infinity.config.deepspeed_only import DEEPSPEED_ONLY
 
 # dotted key -> why it has no effect in infinity
 NO_EFFECT: dict[str, str] = {
@@ -176,6 +179,9 @@ def no_effect_notices(
         value = _lookup(cfg, key)
         if value != _lookup(default, key):
             lines.append(f"infinity: '{key}' is {value!r}: accepted, but it has no effect in infinity: {reason}")
+    for key, value in cfg.deepspeed_only:
+        why = DEEPSPEED_ONLY[key].why
+        lines.append(f"infinity: '{key}' is {value!r}: accepted, but it has no effect in infinity: {why}")
     noticed = set(NO_EFFECT)
     for keys, why in _idle_here(cfg, world_size, group_given, cuda):
         for key in keys:

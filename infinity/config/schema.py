@@ -17,7 +17,7 @@ from typing import Any
 from infinity.config.errors import ConfigError
 from infinity.config.sizes import parse_bytes
 
-__all__ = ["AUTO", "ConfigError", "option", "parse_section", "to_dict"]
+__all__ = ["AUTO", "ConfigError", "json_fields", "option", "parse_section", "to_dict", "unknown_key_error"]
 
 AUTO = "auto"
 INT64_MAX = 2**63 - 1  # torch's index type: a larger integer cannot reach a tensor
@@ -36,12 +36,14 @@ def option(
     default_factory: Any = dataclasses.MISSING,
     doc: str = "",
     null_error: str | None = None,
+    from_json: bool = True,
 ) -> Any:
     """A dataclass field with the JSON rules `parse_section` enforces.
 
     `allow_bytes`: an element count that may be written as a size in bytes ("64MB"); the string is kept
     until `resolve_auto` converts it with the compute dtype (see `infinity.config.sizes`).
     `null_error`: JSON null is refused with this advice (where null would silently mean the default).
+    `from_json` False: set by the loader, never by a JSON key (and left out of `to_dict`).
     """
     meta = {
         "aliases": aliases,
@@ -52,17 +54,37 @@ def option(
         "bytes": allow_bytes,
         "doc": doc,
         "null_error": null_error,
+        "from_json": from_json,
     }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+def _suggest(key: str, known: list[str], also: tuple[str, ...] = ()) -> str:
+    close = difflib.get_close_matches(key, [*known, *also], n=1, cutoff=0.5)
     if close:
         return f"did you mean '{close[0]}'?"
     return "known keys: " + ", ".join(sorted(known))
+
+
+def unknown_key_error(full: str, path: str, key: str, known: list[str], also: tuple[str, ...] = ()) -> ConfigError:
+    """The error for `key` (at `full`, in section `path`) that no field of the section has: the closest of
+    `known` and `also` (other keys accepted there), else the list of `known`."""
+    where = f"in '{path}'" if path else "at the top level"
+    return ConfigError(f"unknown config key '{full}' {where}: {_suggest(key, known, also)}")
+
+
+def json_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields of section `cls` by every name JSON may give them (name and aliases)."""
+    by_name: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("from_json", True):
+            continue
+        by_name[f.name] = f
+        for alias in f.metadata.get("aliases", ()):
+            by_name[alias] = f
+    return by_name
 
 
 def _type_name(tp: Any) -> str:
@@ -129,18 +151,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 def parse_section(cls: type, data: dict[str, Any], path: str = "") -> Any:
     """Build `cls` from `data`, rejecting unknown keys and bad values with the key's full path."""
     hints = typing.get_type_hints(cls)
-    by_name: dict[str, dataclasses.Field] = {}
-    for f in dataclasses.fields(cls):
-        by_name[f.name] = f
-        for alias in f.metadata.get("aliases", ()):
-            by_name[alias] = f
+    by_name = json_fields(cls)
     values: dict[str, Any] = {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else key
         f = by_name.get(key)
         if f is None:
-            where = f"in '{path}'" if path else "at the top level"
-            raise ConfigError(f"unknown config key '{full}' {where}: {_suggest(key, list(by_name))}")
+            raise unknown_key_error(full, path, key, list(by_name))
         if f.name in values:
             raise ConfigError(f"'{full}' is given twice (also under another of its names)")
         meta = f.metadata
@@ -180,6 +197,8 @@ def to_dict(section: Any) -> dict[str, Any]:
     """The resolved section as plain JSON-able data, every default filled in."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(section):
+        if not f.metadata.get("from_json", True):
+            continue
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):
             value = to_dict(value)
