@@ -52,6 +52,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "zero_optimization": {
         "stage": 3,
         "block_classes": ["Block"],
+        # DeepSpeed's default (1e5) would keep every weight of the small presets whole on every rank: lower, so
+        # that the job shards, gathers and prefetches its layers' weights block by block, as a large model does
+        "stage3_param_persistence_threshold": 10_000,
         "offload_param": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH},
         "offload_optimizer": {"device": "nvme", "nvme_path": DEFAULT_NVME_PATH},
     },
