@@ -106,3 +106,29 @@ def test_a_weight_marked_initialized_on_meta_is_still_initialized_when_materiali
         engine.close()
     std = model.config.initializer_range  # _init_weights draws Linear weights from N(0, std)
     assert 0.8 * std < weight.std().item() < 1.2 * std and weight.mean().abs().item() < 0.1 * std
+
+
+def test_initializers_a_hugging_face_model_runs_on_parent_modules_are_kept_under_init(tmp_path):
+    """GPT-2's `_init_weights` scales the residual projections (`c_proj`) to initializer_range / sqrt(2 n_layer)
+    when called on the attention and MLP modules, after their children, as `model.apply` does. Built under
+    `infinity.Init` they had the unscaled std (2x here, 7x at 24 layers); now both builds draw the same."""
+    pytest.importorskip("transformers")
+    from zoo_cases import build_zoo_model, zoo_config
+
+    cfg = zoo_config("gpt2", 2, str(tmp_path))
+    eager = build_zoo_model("gpt2").state_dict()
+    with infinity.Init(config=cfg):
+        model = build_zoo_model("gpt2")
+    engine = infinity.initialize(model=model, config=cfg)[0]
+    try:
+        built = dict(engine.iter_full_state())
+    finally:
+        engine.close()
+    base = model.config.initializer_range
+    scaled = base / (2 * model.config.n_layer) ** 0.5
+    for name in ("attn.c_proj.weight", "mlp.c_proj.weight", "attn.c_attn.weight", "mlp.c_fc.weight"):
+        std = scaled if "c_proj" in name else base
+        for layer in range(model.config.n_layer):
+            key = f"transformer.h.{layer}.{name}"
+            assert 0.85 * std < built[key].std().item() < 1.15 * std, (key, built[key].std().item(), std)
+            assert 0.85 * std < eager[key].std().item() < 1.15 * std, key  # what the eager build draws too

@@ -50,6 +50,7 @@ def materialize_modules(modules: Iterable[nn.Module], root: nn.Module, device: t
 
     Tied parameters are replaced by one new tensor under every name that uses them.
     """
+    modules = list(modules)
     init = _initializer(root)
     replaced: dict[int, nn.Parameter] = {}
     touched: list[nn.Module] = []
@@ -74,4 +75,23 @@ def materialize_modules(modules: Iterable[nn.Module], root: nn.Module, device: t
         else:
             module.reset_parameters()
         touched.append(module)
+    if init is not None:
+        for parent in _parents_made_whole(modules, targets, replaced):
+            init(parent)
     return len(replaced)
+
+
+def _parents_made_whole(
+    modules: Iterable[nn.Module], targets: list[nn.Module], replaced: dict[int, nn.Parameter]
+) -> list[nn.Module]:
+    """The modules of `modules` without parameters of their own whose every parameter was just materialized,
+    descendants before ancestors: a Hugging Face `_init_weights` sets some weights from the parent (GPT-2 scales
+    `attn.c_proj` when called on the attention module), after its children, as `model.apply` calls it."""
+    fresh = {id(p) for p in replaced.values()}
+    own = {id(m) for m in targets}
+    parents = []
+    for module in modules:
+        params = list(module.parameters())
+        if id(module) not in own and params and all(id(p) in fresh for p in params):
+            parents.append(module)
+    return parents[::-1]  # `modules()` lists a parent before its children
