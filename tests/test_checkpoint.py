@@ -6,6 +6,7 @@ import errno
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,9 +119,21 @@ def test_other_world_size_is_refused_with_the_sizes(tmp_path):
         engine.load_checkpoint(str(tmp_path))
 
 
-def test_no_checkpoint_gives_a_clear_error(tmp_path):
+def test_a_folder_that_holds_nothing_yet_loads_nothing_as_in_deepspeed_and_one_without_latest_is_named(tmp_path):
+    """A loop that resumes when it can calls load_checkpoint on its first run too: a missing or empty folder gives
+    (None, None) and a warning, and the engine is untouched. Checkpoints without a usable `latest` are an error."""
     engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
-    with pytest.raises(CheckpointError, match="no 'latest'"):
+    before = engine.full_state_dict()
+    for nothing in (tmp_path / "missing", tmp_path):
+        with pytest.warns(UserWarning, match="holds no checkpoint yet; nothing was loaded"):
+            assert engine.load_checkpoint(str(nothing)) == (None, None)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    engine.close()
+    _, folder = _saved_engine(tmp_path)
+    (tmp_path / "latest").unlink()
+    engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
+    with pytest.raises(CheckpointError, match=f"no 'latest'.*{Path(folder).name}"):
         engine.load_checkpoint(str(tmp_path))
 
 

@@ -6,6 +6,10 @@ refuses to run mid-step, then hands the shard store to the checkpoint and state-
 
 from __future__ import annotations
 
+import os
+import warnings
+from pathlib import Path
+
 import torch
 
 
@@ -45,10 +49,15 @@ class EngineStateIO:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-    ) -> tuple[str, dict]:
-        """Restore a checkpoint written by `save_checkpoint`; returns (its folder, the client state)."""
+    ) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint written by `save_checkpoint`; returns (its folder, the client state), or, as
+        DeepSpeed does, (None, None) with a warning where `load_dir` holds nothing yet (missing or empty: a first
+        run of a loop that resumes when it can). A folder with checkpoints but no usable `latest` is an error."""
         from infinity.engine.checkpoint import load_checkpoint
 
+        if tag is None and _holds_nothing(load_dir):
+            warnings.warn(f"load_checkpoint: '{load_dir}' holds no checkpoint yet; nothing was loaded", stacklevel=2)
+            return None, None
         self.optimizer.refuse_mid_step("load_checkpoint")
         optimizer_too = load_optimizer_states and not load_module_only
         folder, client_state, saved = load_checkpoint(
@@ -102,3 +111,9 @@ class EngineStateIO:
 
         self.optimizer.refuse_mid_step("reading the optimizer state (a checkpoint, full weights)")
         return full_state_dict(self.shards, self.module)
+
+
+def _holds_nothing(load_dir: str | os.PathLike) -> bool:
+    """`load_dir` is missing or an empty folder: nothing was ever saved there."""
+    root = Path(load_dir)
+    return not root.exists() or (root.is_dir() and not any(root.iterdir()))
