@@ -284,7 +284,9 @@ def _resume(engine, data, args: argparse.Namespace, say) -> str:
     except ValueError as exc:
         raise CheckpointError(
             f"checkpoint '{tag}' in '{args.save_dir}' was written by a run with another batch stream: {exc}; "
-            "resume with the same --model, --data, --seq, --seed, batch sizes and number of ranks"
+            "resume with the same --model, --data, --seq, --seed and global batch (train_micro_batch_size_per_gpu x "
+            "gradient_accumulation_steps x ranks; at another number of ranks, with elastic_checkpoint, change the "
+            "micro batch so that the product stays)"
         ) from exc
     return tag
 
