@@ -284,6 +284,11 @@ def test_the_free_space_check_says_what_is_needed_and_what_is_free(tiny_fs_dir: 
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(tiny_fs_dir)
     assert f"has {free} bytes free" in message and f"need {3 * MiB} bytes" in message
     assert f"free {3 * MiB - free} bytes there" in message
+    assert f"({free / MiB:.1f} MiB)" in message and "(3.0 MiB)" in message  # 0.00 GiB against 0.00 GiB said nothing
+    from infinity.cli.faults import classify
+
+    line = classify(info.value).message  # as the command prints it: its own advice, not the generic one as well
+    assert line.count("free space there or choose another disk") + line.count("larger disk") == 1
     with pytest.raises(StorageError) as info:
         check_free_space(str(tiny_fs_dir / "missing"), 1)
     assert info.value.errno == errno.ENOENT and "not an existing directory" in str(info.value)

@@ -9,13 +9,19 @@ import shutil
 from infinity.storage.errors import StorageError
 
 GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _size(nbytes: int) -> str:
+    """`nbytes` in GiB, or in MiB below one GiB (where 0.01 GiB would hide the difference between two sizes)."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
 
 
 def free_bytes(path: str) -> str:
     """The free space under `path` in words, for error messages."""
     try:
         free = shutil.disk_usage(path).free
-        return f"{free} bytes free ({free / GiB:.2f} GiB)"
+        return f"{free} bytes free ({_size(free)})"
     except OSError:
         return "free space unknown"
 
@@ -29,8 +35,8 @@ def check_free_space(nvme_path: str, needed_bytes: int, what: str = "the swap fi
     if free < needed_bytes:
         raise StorageError(
             errno.ENOSPC,
-            f"nvme_path '{nvme_path}' has {free} bytes free ({free / GiB:.2f} GiB) but {what} need "
-            f"{needed_bytes} bytes ({needed_bytes / GiB:.2f} GiB): free {needed_bytes - free} bytes there, "
-            "choose an nvme_path on a larger disk, or keep more state in host memory",
+            f"nvme_path '{nvme_path}' has {free} bytes free ({_size(free)}) but {what} need {needed_bytes} bytes "
+            f"({_size(needed_bytes)}); free {needed_bytes - free} bytes there, choose an nvme_path on a larger "
+            "disk, or keep more state in host memory",
             nvme_path,
         )
