@@ -156,6 +156,7 @@ def test_resuming_another_models_checkpoints_names_the_mismatch_and_offers_none_
     assert main([*args, "--resume"]) == ExitCode.CHECKPOINT
     err = capsys.readouterr().err
     assert "holds a different model" in err and "infinity consolidate" in err and "--resume-tag" not in err
+    assert "--model sizes the model, and --seq a GPT preset's position table" in err
     assert _fingerprint(saved) == before
 
 

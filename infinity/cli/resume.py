@@ -50,7 +50,9 @@ def resume(engine, save_dir: str, tag: str | None, fallback: bool, say: Callable
     if not _failed_on_any_rank(engine, problem is not None):
         return tag or folder.name, client
     if isinstance(problem, RunMismatch):  # the whole run's checkpoints are of that other run: none would do
-        raise CheckpointError(f"cannot resume from '{save_dir}': {problem}")
+        other_model = "holds a different model" in str(problem)
+        sized = " (--model sizes the model, and --seq a GPT preset's position table)" if other_model else ""
+        raise CheckpointError(f"cannot resume from '{save_dir}': {problem}{sized}")
     reason = str(problem) if problem is not None else f"another rank could not load '{folder}' (its line says why)"
     found = newest_verified_checkpoint(save_dir, exclude=[folder] if folder is not None else [])
     if found is None:
