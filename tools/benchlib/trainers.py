@@ -294,7 +294,7 @@ def instrument_engine_internals(engine: Any) -> _SecondsByName:
     for owner, attr, name in (
         ("shards", "fetch_param", "fetch_param_s"),  # a shard's move from its home tier toward the compute
         ("reducer", "reduce_block", "reduce_grads_s"),  # flat grad, reduce-scatter, accumulate
-        ("optimizer", "step", "adam_s"),
+        ("optimizer", "step_shards", "adam_s"),
     ):
         obj = getattr(engine, owner, None)
         if obj is None:
