@@ -140,6 +140,20 @@ def test_a_saturated_disk_at_full_speed_keeps_more_in_host_memory_with_the_key_t
     assert _settings(_diagnose(tmp_path / "budget", budget)) == {Z + "host_budget_bytes": "raise"}
 
 
+def test_a_saturated_disk_reading_optimizer_state_raises_no_parameter_read_ahead(tmp_path: Path) -> None:
+    """The same stalls where the bytes read are a deferred step's state (master, moments), not parameters, as in
+    a run whose whole model fits in host memory: the parameters' read-ahead would change nothing (a user audit
+    applied it and saw the same reads and stalls), so it is a note, not a recommendation."""
+    write_scenario(str(tmp_path), SCENARIOS["disk_bound"])
+    path = tmp_path / "trace_rank0.jsonl"
+    path.write_text(reseal(path.read_text().replace("'param')", "'exp_avg')")))
+    traces = load_traces([tmp_path])
+    assert prepare(traces) == []
+    d = diagnose(summarize(traces), traces)
+    assert Z + "offload_param.buffer_count" not in _settings(d)
+    assert any("are the optimizer's state" in n and "no parameter read-ahead setting" in n for n in d.notes)
+
+
 def test_slow_disk_without_stalls_raises_queue_depth_then_threads(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, SCENARIOS["slow_disk"])
     assert _settings(d) == {"aio.queue_depth": "raise"}

@@ -33,7 +33,15 @@ from typing import Any
 from infinity.profiler.analysis import Rate, Summary, Window, covered_below, depth_series
 from infinity.profiler.breakdown import Breakdown, breakdown
 from infinity.profiler.facts import RunFacts
-from infinity.profiler.format import COLLECTIVE, DISK_READ, DISK_WRITE, OPTIMIZER_STEP, TO_DEVICE, wait_group
+from infinity.profiler.format import (
+    COLLECTIVE,
+    DISK_READ,
+    DISK_WRITE,
+    OPTIMIZER_STEP,
+    TO_DEVICE,
+    kind_of_key,
+    wait_group,
+)
 from infinity.profiler.knob_effects import (
     Change,
     aio_change,
@@ -46,6 +54,7 @@ from infinity.profiler.traces import RankTrace
 from infinity.profiler.verdict import MARGIN, Bound, Finding, Remedy, bound, find
 
 ALWAYS_GATHERED = ("<root>", "<persistent>")  # the engine's names for them: gathered for a whole pass
+PARAM_READ_SHARE = 0.25  # below it, a phase's NVMe reads are mostly optimizer state: not the parameters' read-ahead
 STALL_SHARE = 0.10
 QUEUE_IDLE_SHARE = 0.5
 OPTIMIZER_DISK_BUSY = 0.8
@@ -138,6 +147,16 @@ class _Rules:
             below, total = below + b, total + t
         return (below / total if total else 0.0), measured
 
+    def _param_read_share(self, phase: str) -> float:
+        """Of the bytes `phase` read from NVMe, the share that are parameter shards (1.0 when it read none)."""
+        read = params = 0
+        for t in self.traces:
+            for r in t.of("move"):
+                if r["phase"] == phase and r["src"] == "nvme":
+                    read += r["bytes"]
+                    params += r["bytes"] if kind_of_key(r["key"]) == "param" else 0
+        return params / read if read else 1.0
+
     def _block_read_stall_ns(self, phase: str) -> int:
         """Nanoseconds `phase` stalled on NVMe reads of blocks (what the prefetch bucket fetches ahead)."""
         return sum(
@@ -184,9 +203,19 @@ class _Rules:
                         evidence = (
                             f"{_pct(read_share)} of {phase} stalled on NVMe reads with the read queue saturated for "
                             f"{_pct(1 - idle)} of {phase} and reads at {rate.gbps_busy:.2f} GB/s{disk}: the disk is "
-                            "the limit; keep more parameters in host memory"
+                            "the limit"
                         )
-                        self.recommend(read_ahead_change(f.config, f.largest_param_bytes), evidence, (phase, DISK_READ))
+                        param_share = self._param_read_share(phase)
+                        if param_share >= PARAM_READ_SHARE:
+                            change = read_ahead_change(f.config, f.largest_param_bytes)
+                            why = f"{evidence}; keep more parameters in host memory"
+                            self.recommend(change, why, (phase, DISK_READ))
+                        else:  # a deferred step's state: the parameters' read-ahead would hold what is not read
+                            self.notes.append(
+                                f"{evidence}, and {_pct(1 - param_share)} of the bytes read are the optimizer's "
+                                "state (a step run in this phase), not parameters: no parameter read-ahead setting "
+                                "changes them"
+                            )
             for group in (TO_DEVICE, COLLECTIVE):  # not REDUCTION: no prefetch brings the slowest rank sooner
                 share = groups.get(group, 0) / window.wall_ns
                 if share > STALL_SHARE:
