@@ -5,17 +5,14 @@ config without those sections."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 
 import pytest
 import torch
-from harness import config, train_steps
-from toy_models import batches, make_model
+from harness import config
+from test_config_notices import _train as train_and_print
 
-import infinity
 from infinity.config import DEEPSPEED_ONLY, ConfigError, load_config, no_effect_notices
 
 # as published DeepSpeed, Megatron-DeepSpeed and Hugging Face configs write them: off, or at DeepSpeed's default
@@ -228,13 +225,7 @@ def test_the_notices_list_is_not_a_json_key():
 
 
 def _train(cfg: dict) -> tuple[dict[str, torch.Tensor], str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        engine = infinity.initialize(model=make_model("mlp"), config=cfg)[0]
-    train_steps(engine, batches("mlp", 2), 3)
-    state = engine.full_state_dict()
-    engine.close()
-    return state, err.getvalue()
+    return train_and_print(cfg, client=False)
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])

@@ -134,7 +134,7 @@ def plan_memory(
             window = min(window, room // shard_state)
         if room < 0 or window < 1:
             need = working + param_min + grad_rmw + (shard_state if optim_on_nvme else 0)
-            ahead = max(largest * world, bucket) * itemsize if working and bucket else 0  # `gathered_bytes_bound`'s
+            ahead = BlockScheduler.prefetched_bytes_bound(largest * world, bucket, itemsize) if working else 0
             raise ConfigError(
                 f"'zero_optimization.host_budget_bytes' is {host}; the largest block's shard ({largest} elements) "
                 f"needs at least {need} bytes of host memory to stream through, {ahead} of them for the weights "

@@ -56,11 +56,16 @@ class GatherWindow:
         self.gathered_high_water_bytes = 0  # the most gathered (or being gathered) weights held at once
 
     @staticmethod
+    def prefetched_bytes_bound(full_block_elems: int, prefetch_bucket_elems: int, itemsize: int) -> int:
+        """Weights gathered ahead at most: the prefetch bucket, at least the next block (a non-zero bucket always
+        takes it)."""
+        return (max(full_block_elems, prefetch_bucket_elems) if prefetch_bucket_elems else 0) * itemsize
+
+    @staticmethod
     def gathered_bytes_bound(full_block_elems: int, prefetch_bucket_elems: int, itemsize: int) -> int:
-        """Gathered weights held at most: the block computing, one being reduced, and the prefetch bucket
-        (at least the next block: a non-zero bucket always takes it)."""
-        prefetched = max(full_block_elems, prefetch_bucket_elems) if prefetch_bucket_elems else 0
-        return (2 * full_block_elems + prefetched) * itemsize
+        """Gathered weights held at most: the block computing, one being reduced, and those gathered ahead."""
+        ahead = GatherWindow.prefetched_bytes_bound(full_block_elems, prefetch_bucket_elems, itemsize)
+        return 2 * full_block_elems * itemsize + ahead
 
     @staticmethod
     def working_set_bytes(
