@@ -10,6 +10,7 @@ sqrt (MKL VML) is off by one ulp for about a fifth of the inputs, so they get a 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,6 +273,26 @@ def test_forcing_a_path_the_cpu_lacks_raises(monkeypatch):
     with pytest.raises(ValueError, match="INFINITY_SIMD"):
         simd.resolve_simd()
     assert simd.resolve_simd("avx2") == "avx2"
+
+
+def test_cpu_flags_come_from_proc_cpuinfo_and_choose_the_paths_py_cpuinfo_would(tmp_path):
+    """/proc/cpuinfo is read in microseconds where py-cpuinfo takes a second (paid inside the first step);
+    the flags the paths need are spelled alike in both."""
+    listing = tmp_path / "cpuinfo"
+    listing.write_text(
+        "processor\t: 0\nmodel name\t: x\nflags\t\t: fpu avx2 fma f16c\n\nprocessor\t: 1\nflags\t: sse\n"
+    )
+    assert simd._proc_cpuinfo_flags(listing) == frozenset({"fpu", "avx2", "fma", "f16c"})
+    assert simd._proc_cpuinfo_flags(tmp_path / "missing") is None
+    listing.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # an Arm listing: no "flags" line
+    assert simd._proc_cpuinfo_flags(listing) is None
+    if not Path("/proc/cpuinfo").is_file():
+        pytest.skip("no /proc/cpuinfo on this system")
+    import cpuinfo
+
+    theirs = frozenset(cpuinfo.get_cpu_info().get("flags", ()))
+    needed = frozenset().union(*simd._REQUIRED_FLAGS.values())
+    assert simd.cpu_flags() & needed == theirs & needed
 
 
 def _run_with_env(value: str) -> subprocess.CompletedProcess:

@@ -2,6 +2,7 @@
 
 import functools
 import os
+from pathlib import Path
 
 SIMD_ENV_VAR = "INFINITY_SIMD"
 SIMD_PATHS = ("avx512", "avx2", "scalar")  # best first
@@ -16,10 +17,29 @@ _REQUIRED_FLAGS = {
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from py-cpuinfo (queried once; it is slow)."""
+    """The CPU's feature flags: the kernel's list in /proc/cpuinfo on Linux, else py-cpuinfo's (queried once).
+
+    py-cpuinfo takes about a second: asked on the first optimizer step, that second was a stall inside the
+    first step (the profiler showed it as a disk read)."""
+    flags = _proc_cpuinfo_flags()
+    if flags is not None:
+        return flags
     import cpuinfo
 
     return frozenset(cpuinfo.get_cpu_info().get("flags", ()))
+
+
+def _proc_cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The first processor's "flags" line of `path` (x86 Linux), as py-cpuinfo spells them; None without one."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == "flags":
+            return frozenset(value.split())
+    return None
 
 
 def supported_paths() -> tuple[str, ...]:
