@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from infinity.profiler import intervals as iv
 from infinity.profiler.format import (
     COLLECTIVE_OPS,
     FIELDS,
@@ -297,10 +298,15 @@ def _add(window: Window, groups: list[_Bucket], wall_spans: list[tuple[int, int]
     wall = sum(e - s for s, e in wall_spans)
     window.ranks += 1
     window.wall_ns += wall
+    inside = iv.merge(wall_spans)
     spans: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
     for g in groups:
         for r in g["stall"]:
-            ns = r["end_ns"] - r["start_ns"]
+            # the part inside the window: a last deferred step settled after the last step's end (before a
+            # checkpoint) carries that step's optimizer phase, but ran after it closed
+            ns = iv.overlap_ns((r["start_ns"], r["end_ns"]), inside)
+            if not ns:
+                continue
             window.stall_ns += ns
             window.stall_by_wait[r["waited_on"]] = window.stall_by_wait.get(r["waited_on"], 0) + ns
         for r in g["use"]:

@@ -135,9 +135,14 @@ class GatherWindow:
         in_flight = block.in_flight
         # what the wait is for: the collective once issued (several ranks), else the shard's fetch
         waited_on = "all-gather" if block.state is BlockState.GATHERING and self.collectives else self.gather_waits_on
+        if block.state is BlockState.SHARDED:
+            # Starting the fetch first applies an optimizer step deferred to this use, outside the gather's
+            # stall: the step records its own waits ("optimizer step") and compute, which a gather's stall
+            # would have swallowed and labelled as the parameters' read.
+            self._start(block)
         start = time.perf_counter_ns()
         issued = block.issued_ns if in_flight else start
-        prof.open_span("stall")  # an optimizer step settled inside this wait is part of it
+        prof.open_span("stall")  # a wait inside this one (for pool memory) is part of it
         try:
             self._issue_through(block)
             block.wait_unshard(self.source, self._keep())
@@ -153,10 +158,12 @@ class GatherWindow:
     def _settle_resident(self, block: ShardedBlock, stall: bool = True) -> None:
         """Resident weights may still be arriving (stages 1-2 share the updated partitions behind the
         forward; one rank steps them just before they are used): wait for the block's, as a stall on the
-        all-gather, or on the step's state reads, when compute waits for them."""
+        all-gather when compute waits for them. At one rank what is owed is the optimizer step, which
+        records its own waits and compute."""
         owed = [f for f in block.flats if self.source.owes(f)]
         if not owed:
             return
+        stall = stall and self.collectives
         start = time.perf_counter_ns()
         if stall:
             self.prof.open_span("stall")
@@ -169,7 +176,7 @@ class GatherWindow:
         if stall:
             end = time.perf_counter_ns()
             self.stall_s += (end - start) / 1e9
-            self.prof.stall(block.name, start, end, "all-gather" if self.collectives else "nvme->host")
+            self.prof.stall(block.name, start, end, "all-gather")
 
     def _prefetch(self, upcoming: list[int], current: int) -> None:
         """Gather the next blocks within the bucket; read the blocks beyond it ahead into host memory.
