@@ -290,6 +290,31 @@ def test_auto_batch_sizes_without_values_are_derived():
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (8, 4, 1)
 
 
+@pytest.mark.parametrize(
+    "given,named",
+    [
+        ({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+         ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},
+         ["gradient_accumulation_steps"]),
+        ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2},
+         ["train_micro_batch_size_per_gpu"]),
+    ],
+)  # fmt: skip
+def test_auto_batch_sizes_nothing_determines_are_an_error_not_a_guess_of_one(given, named):
+    """An HF-style config used through the Python API, where no Trainer fills "auto": accumulation "auto"
+    used to become 1 silently (a run meant to accumulate 4 micro-batches stepped on each)."""
+    with pytest.raises(ConfigError) as info:
+        resolve_batch_sizes(load_config(given), 2)
+    message = str(info.value)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        assert (f"'{key}'" in message) == (key in named)
+    assert "set it to a number" in message
+    # absent keys keep DeepSpeed's defaults
+    cfg = resolve_batch_sizes(load_config({"train_micro_batch_size_per_gpu": 4}), 2)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
+
+
 # -- the printed config ----------------------------------------------------------------------------
 
 

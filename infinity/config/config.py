@@ -160,6 +160,17 @@ def resolve_batch_sizes(cfg: InfinityConfig, world_size: int) -> InfinityConfig:
             raise ConfigError(f"train_batch_size ({train}) is not divisible by the world size ({world_size})")
         gas, micro = 1, train // world_size
     else:
+        # "auto" means "derive it"; with too few sizes given there is nothing to derive it from, and a guess
+        # of 1 would silently change the run (HF's Trainer fills these from its arguments; here nothing does)
+        pairs = (("train_micro_batch_size_per_gpu", cfg.train_micro_batch_size_per_gpu),
+                 ("gradient_accumulation_steps", cfg.gradient_accumulation_steps))  # fmt: skip
+        auto = [repr(key) for key, value in pairs if value == AUTO]
+        if auto:
+            raise ConfigError(
+                f"{' and '.join(auto)} {'is' if len(auto) == 1 else 'are'} \"auto\" and the other batch sizes do not "
+                "determine it: set it to a number, or give 'train_batch_size' with one of the other two (Hugging "
+                "Face's Trainer fills \"auto\" from its arguments; nothing does here)"
+            )
         micro = micro or 1
         gas = gas or 1
     train = micro * gas * world_size
