@@ -135,15 +135,29 @@ def test_the_parameter_buffer_count_is_not_tuned_where_no_budget_depends_on_it(z
 
 
 def test_each_tuned_buffer_count_value_gives_its_own_budget_plan():
-    zero = {"offload_param": NVME, "offload_optimizer": NVME}
+    # read-ahead buffers of 1e5 elements on the small GPT's 1.2M parameters, in blocks: 5 of them hold some
+    zero = {"stage3_param_persistence_threshold": 0, "offload_param": {**NVME, "buffer_size": 100_000},
+            "offload_optimizer": NVME}  # fmt: skip
     for name in (PARAM_BUFFERS, OPTIMIZER_BUFFERS):
         knob, _ = _effective(zero, name)
         assert knob is not None and (5 if name == PARAM_BUFFERS else 4) in knob.ladder  # the defaults stay
         plans = [_plan(zero, name, v) for v in knob.ladder]
         assert all(a != b for i, a in enumerate(plans) for b in plans[i + 1 :]), name
-    # the read-ahead stops growing at max_in_cpu (1e9 elements = 10 buffers of 1e8): 12 and 16 give one plan
-    param_knob, _ = _effective(zero, PARAM_BUFFERS)
+    # the read-ahead stops growing at max_in_cpu (1e6 elements = 10 buffers of 1e5): 12 and 16 give one plan
+    capped = {**zero, "offload_param": {**zero["offload_param"], "max_in_cpu": 1_000_000}}
+    param_knob, _ = _effective(capped, PARAM_BUFFERS)
     assert max(param_knob.ladder) == 12 and 16 not in param_knob.ladder
+
+
+def test_the_parameter_buffer_count_is_not_tuned_where_the_read_ahead_holds_every_parameter_already():
+    """The default buffers (5 x 1e8 elements) hold all of a small model's parameters at any count: the plans
+    differ only in a host bound nothing reaches, and a user's tune spent trials there on parameters it never
+    read from disk after the first pass."""
+    zero = {"stage3_param_persistence_threshold": 0, "offload_param": NVME, "offload_optimizer": NVME}
+    knob, note = _effective(zero, PARAM_BUFFERS)
+    assert knob is None and "the read-ahead is the same at every value on its ladder" in note
+    plans = {_plan(zero, PARAM_BUFFERS, v).param_read_ahead_bytes for v in all_knobs(1000)[PARAM_BUFFERS].ladder}
+    assert len(plans) > 1  # what the engine's plan says; none of it is ever filled
 
 
 def test_tune_says_which_knob_changes_nothing_and_exits_2_when_none_is_left(tmp_path, capsys):
