@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         f"Rows with the optimizer on NVMe {waiting} and hold offload_optimizer.buffer_count shards of its state in "
         "host memory, as a run with zero_optimization.host_budget_bytes does. Without a budget, where the "
         "gradients fit a quarter of the memory available (per rank), they wait in host memory, the step runs "
-        "before each shard's next forward, and its window grows into what is left of that quarter."
+        "before each shard's next forward, and its window grows into what is left of that quarter: such a run "
+        f"may hold up to {format_bytes(machine.host_bytes // 4)} more per node here than its row says."
     )
     best = preferred(rows)
     print(
