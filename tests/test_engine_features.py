@@ -124,6 +124,32 @@ def test_trainable_parameters_beside_frozen_ones_match_plain_pytorch(world):
     assert_matches_reference(list(_features_run("frozen", world)), ref_losses, ref_state)
 
 
+@pytest.mark.parametrize(
+    "world,offload", [(1, "nvme"), (2, "none"), (2, "cpu")]  # where blocks are gathered, not resident
+)
+def test_lora_blocks_with_a_frozen_base_match_plain_pytorch(tmp_path, world, offload):
+    """Each block's adapter gets its gradients before backward reads the frozen base weight for the input's
+    gradient: the block used to be resharded at its last trainable gradient, and backward then read an empty
+    shard ("setStorage: ... out of bounds for storage of size 0")."""
+    cfg = config("lora", micro_bs=MICRO_BS, block_classes=("LoRALayer",), offload_param=offload,
+                 offload_optimizer=offload, nvme_path=str(tmp_path))  # fmt: skip
+    results = run_distributed(train_on_rank, world, "lora", cfg, STEPS, MICRO_BS)
+    ref_losses, ref_state, _ = reference_for("lora", STEPS, MICRO_BS * world)
+    assert_matches_reference(list(results), ref_losses, ref_state)
+    for result in results:
+        base = [k for k in result["state"] if ".base." in k]
+        assert base and all(torch.equal(result["state"][k], result["initial"][k]) for k in base)
+
+
+def test_lora_blocks_under_reentrant_checkpointing_match_plain_pytorch():
+    """The same where each block's forward runs without autograd and backward recomputes it (reentrant
+    checkpointing): the recomputation's inputs are watched instead."""
+    cfg = config("lora", micro_bs=MICRO_BS, block_classes=("LoRALayer",))
+    results = run_distributed(train_on_rank, 2, "lora_reentrant", cfg, STEPS, MICRO_BS)
+    ref_losses, ref_state, _ = reference_for("lora", STEPS, MICRO_BS * 2)
+    assert_matches_reference(list(results), ref_losses, ref_state)
+
+
 # -- 4. buffers --------------------------------------------------------------------------------------------
 
 

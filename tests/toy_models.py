@@ -100,6 +100,49 @@ class SkippingMLP(MLP):
         return out, None if targets is None else F.mse_loss(out, targets)
 
 
+class LoRALayer(nn.Module):
+    """A block as LoRA fine-tuning makes it: a frozen base projection and a trainable low-rank adapter. The
+    adapter's gradients arrive before backward reads the frozen base to carry the gradient to the input."""
+
+    def __init__(self, dim: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.base(x) + x @ self.lora_a.t() @ self.lora_b.t())
+
+
+class LoRANet(nn.Module):
+    """Three LoRALayer blocks between a trainable input projection and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 24)
+        self.layers = nn.ModuleList([LoRALayer(24) for _ in range(3)])
+        self.head = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class ReentrantLoRANet(LoRANet):
+    """LoRANet with each block under torch.utils.checkpoint(use_reentrant=True); the same weights."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=True) if torch.is_grad_enabled() else layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
 class ReentrantCheckpointGPT(GPT):
     """The tiny GPT with each block under torch.utils.checkpoint(use_reentrant=True): the first forward runs
     the blocks without autograd, and backward re-runs each block's forward before its backward."""
@@ -144,7 +187,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         for name, p in model.named_parameters():
             p.requires_grad_(name not in FROZEN)
         return model
-    models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP}
+    models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP,
+              "lora": LoRANet, "lora_reentrant": ReentrantLoRANet}  # fmt: skip
     return models[kind]()
 
 

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from infinity.partition.sharded_block import ShardedBlock, ShardSource
 from infinity.scheduler.backward_turn import kept_for_backward
+from infinity.scheduler.frozen_reads import FrozenReads
 from infinity.scheduler.gather_window import GatherWindow, Phase
 from infinity.scheduler.param_access import ExternalReads, install_param_access
 from infinity.scheduler.trace import ExecutionTrace
@@ -74,6 +75,9 @@ class BlockScheduler(GatherWindow):
         # step, while reductions may still land (and ask `reads_across`) until the next forward
         self._read_across_last_pass: frozenset[ShardedBlock] = frozenset()
         self._remove_param_access = install_param_access([*blocks, root, persistent], self._on_param_read)
+        self._frozen = FrozenReads(self._frozen_inputs_done)
+        self._grads_in: set[ShardedBlock] = set()  # their gradients are in; backward may still read frozen weights
+        self._watched: set[ShardedBlock] = set()  # blocks whose frozen reads this pass's forward watched
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
             model.register_forward_hook(self._root_post_forward),
@@ -84,6 +88,9 @@ class BlockScheduler(GatherWindow):
             self._handles.append(block.module.register_forward_hook(self._post_forward_hook(block)))
             for p in block.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(block)))
+            if FrozenReads.applies(block):
+                hook = self._watch_frozen_reads(block)
+                self._handles.append(block.module.register_forward_pre_hook(hook, with_kwargs=True))
 
     # -- between steps ---------------------------------------------------------------------------
 
@@ -300,14 +307,42 @@ class BlockScheduler(GatherWindow):
                 self._issue_all()  # the reduction's collectives come after every gather issued so far
                 self.on_block_grads(block)
                 self._external.held_for_step.discard(block)
-                block.reshard()
+                if self._frozen.owes(block):  # its inputs' gradients still read its frozen weights
+                    self._grads_in.add(block)
+                else:
+                    block.reshard()
 
         return hook
+
+    def _watch_frozen_reads(self, block: ShardedBlock):
+        """Watch a training call's inputs (`FrozenReads`): in forward, or in the recomputation of a reentrant
+        checkpoint, whose forward ran without grad (a non-reentrant one's forward was watched already)."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if self.phase is Phase.FORWARD:
+                self._watched.add(block)
+            elif self.phase is not Phase.BACKWARD or block in self._watched:
+                return
+            self._frozen.watch(block, args, kwargs)
+
+        return hook
+
+    def _frozen_inputs_done(self, block: ShardedBlock) -> None:
+        """Backward is done with `block`'s frozen weights: reshard it if its gradients are in (or it has none)."""
+        if block in self._grads_in or not block.trainable:
+            self._grads_in.discard(block)
+            if block not in self._external.held_for_step:
+                block.reshard()
 
     def finish_backward(self) -> None:
         """Hand over the gradients not yet reduced (root, persistent, unused parameters); release blocks."""
         self._close()
         self.backward_trace.end_pass()
+        self._frozen.clear()
+        self._grads_in.clear()
+        self._watched.clear()
         self._issue_all()
         for block in [*self.blocks, self.root, self.persistent]:
             if block.grads_ready or block in (self.root, self.persistent):
