@@ -99,6 +99,31 @@ def test_loss_backward_in_place_of_engine_backward_is_refused_at_the_step_and_no
     engine.close()
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_second_backward_before_the_step_is_refused_naming_gradient_accumulation_steps(tmp_path, accumulation):
+    """A plain-PyTorch accumulation loop (backward every micro-batch, step every Nth) with
+    gradient_accumulation_steps N counted two micro-batches per step() and took half the steps, silently;
+    with the optimizer stepping on NVMe during backward it ended in an internal KeyError. The second backward
+    is refused before it touches a gradient; the loop the message gives trains on."""
+    cfg = config("gpt", grad_accum=accumulation, clip=0.0, offload_param="nvme", offload_optimizer="nvme",
+                 nvme_path=str(tmp_path), extra_zero={"host_budget_bytes": 64 << 20})  # fmt: skip
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    data = batches("gpt", 2)
+    _, loss = engine(*next(data))
+    engine.backward(loss)
+    _, loss = engine(*next(data))
+    message = rf"called twice without engine.step\(\).*gradient_accumulation_steps \(now {accumulation}\)"
+    with pytest.raises(RuntimeError, match=message):
+        engine.backward(loss)
+    for _ in range(2 * accumulation):
+        engine.step()
+        _, loss = engine(*next(data))
+        engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 2 + (accumulation == 1)
+    engine.close()
+
+
 @pytest.mark.parametrize("fp16", [False, True])
 def test_the_returned_optimizers_step_clips_and_unscales_as_the_engines_does(fp16):
     """`engine.backward(loss); optimizer.step(); optimizer.zero_grad()` with the optimizer initialize returns (as

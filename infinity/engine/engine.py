@@ -102,6 +102,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
+        self._backward_since_step = False  # engine.backward ran and engine.step has not yet counted it
         self.loss_scaler = LossScaler(cfg.fp16)
         move_buffers(model, device)
 
@@ -257,6 +258,14 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""
+        if self._backward_since_step:
+            raise RuntimeError(
+                "engine.backward() was called twice without engine.step() between: call engine.step() (or the "
+                "optimizer's step()) after every backward; it counts the micro-batch and steps the weights only "
+                f"every gradient_accumulation_steps (now {self.gradient_accumulation_steps}) micro-batches. To "
+                "accumulate N micro-batches, set gradient_accumulation_steps to N"
+            )
+        self._backward_since_step = True
         scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
         self.shards.settle_all()  # a step still owed (a shard the forward did not gather) before new gradients
         self.scheduler.begin_backward()
@@ -285,6 +294,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             if self.step_log.due(self.global_steps):
                 self.step_log.write(self.global_steps, self.skipped_steps, self.get_lr(), self.last_grad_norm)
         self.micro_steps += 1
+        self._backward_since_step = False
 
     def _refuse_autograd_backward(self) -> None:
         """`loss.backward()` in place of `engine.backward(loss)` leaves the loss unscaled and the gradients outside
