@@ -150,6 +150,42 @@ def test_lora_blocks_under_reentrant_checkpointing_match_plain_pytorch():
     assert_matches_reference(list(results), ref_losses, ref_state)
 
 
+def _train_embedding_outside(cfg: dict, steps: int, micro_bs: int) -> dict:
+    """Train with each batch projected by the root's `inp` before the engine's forward, then call `inp` alone
+    with no pass running (as generate() calls an encoder)."""
+    from harness import rank_and_world
+
+    rank, world = rank_and_world()
+    engine, _, _, _ = infinity.initialize(model=make_model("embed_outside"), config=cfg)
+    data, losses = batches("embed_outside", micro_bs, rank=rank, world_size=world), []
+    for _ in range(steps):
+        x, y = next(data)
+        _, loss = engine(engine.module.inp(x), y, embedded=True)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        direct = engine.module.inp(x)
+    result = {"losses": losses, "state": engine.full_state_dict(), "x": x, "direct": direct}
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("world,offload", [(1, "nvme"), (2, "none")])
+def test_a_root_module_called_before_the_engines_forward_trains_like_plain_pytorch(tmp_path, world, offload):
+    """`inputs_embeds` made by the model's own embedding before `engine(...)`, and an encoder called alone by
+    generate(): a module owning root parameters runs with no pass started, and read an empty shard ("'weight'
+    must be 2-D")."""
+    cfg = config("embed_outside", micro_bs=MICRO_BS, offload_param=offload, offload_optimizer=offload,
+                 nvme_path=str(tmp_path))  # fmt: skip
+    results = run_distributed(_train_embedding_outside, world, cfg, STEPS, MICRO_BS)
+    ref_losses, ref_state, _ = reference_for("embed_outside", STEPS, MICRO_BS * world)
+    assert_matches_reference(list(results), ref_losses, ref_state)
+    for result in results:
+        w, b = ref_state["inp.weight"], ref_state["inp.bias"]
+        assert torch.allclose(result["direct"], result["x"] @ w.t() + b, rtol=1e-5, atol=1e-6)
+
+
 # -- 4. buffers --------------------------------------------------------------------------------------------
 
 

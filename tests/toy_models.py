@@ -143,6 +143,24 @@ class ReentrantLoRANet(LoRANet):
         return out, None if targets is None else F.mse_loss(out, targets)
 
 
+class EmbedOutsideNet(nn.Module):
+    """A root input projection and two MLPLayer blocks; `forward(h, y, embedded=True)` takes inputs already
+    projected by `self.inp` (as a user computing `inputs_embeds` before the engine's forward), the same math."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 24)
+        self.layers = nn.ModuleList([MLPLayer(24, 24), MLPLayer(24, 24)])
+        self.head = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, embedded: bool = False):
+        h = x if embedded else self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        out = self.head(h)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
 class ReentrantCheckpointGPT(GPT):
     """The tiny GPT with each block under torch.utils.checkpoint(use_reentrant=True): the first forward runs
     the blocks without autograd, and backward re-runs each block's forward before its backward."""
@@ -188,7 +206,7 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
             p.requires_grad_(name not in FROZEN)
         return model
     models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP,
-              "lora": LoRANet, "lora_reentrant": ReentrantLoRANet}  # fmt: skip
+              "lora": LoRANet, "lora_reentrant": ReentrantLoRANet, "embed_outside": EmbedOutsideNet}  # fmt: skip
     return models[kind]()
 
 

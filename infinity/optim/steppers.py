@@ -32,7 +32,9 @@ class Stepper(Protocol):
 
     @property
     def in_progress(self) -> bool:
-        """Some shards of the current step are stepped (or being) already."""
+        """Some shards of a step not yet called are stepped (or being) already: stepped as their gradients
+        arrived in backward. A deferred step, being settled as its shards are needed, is not: `step()` was
+        called, and whoever reads a shard settles it first."""
 
     def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """`flat`'s whole gradient for this step (host fp32): step it now or soon."""
@@ -167,7 +169,7 @@ class NativeStepper:
 
     @property
     def in_progress(self) -> bool:
-        return bool(self._arrived or self._returning or self._stepped)
+        return bool(self._arrived) or (not self._deferred and bool(self._returning or self._stepped))
 
     def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """Read the shard's state ahead now; step the shards that arrived a few blocks ago."""

@@ -91,6 +91,10 @@ class BlockScheduler(GatherWindow):
             if FrozenReads.applies(block):
                 hook = self._watch_frozen_reads(block)
                 self._handles.append(block.module.register_forward_pre_hook(hook, with_kwargs=True))
+        for block in (root, persistent):
+            owners = {module for flat in block.flats for slot in flat.slots for module, _ in slot.uses}
+            for module in owners - {model}:
+                self._handles.append(module.register_forward_pre_hook(self._gather_for_direct_call(block)))
 
     # -- between steps ---------------------------------------------------------------------------
 
@@ -147,6 +151,18 @@ class BlockScheduler(GatherWindow):
                 self._issue_through(block)
                 block.wait_unshard(self.source)
             block.reshard()
+
+    def _gather_for_direct_call(self, block: ShardedBlock):
+        """A module owning root or persistent parameters called with no pass running (an encoder that
+        generate() calls directly, input embeddings made before the engine's forward): gather them, as
+        the root's forward would; resharded when the pass after ends. Called on every rank, as DeepSpeed
+        requires of ZeRO-3 inference; a read by attribute alone between steps still sees what is there."""
+
+        def hook(module: nn.Module, args) -> None:
+            if self.phase is Phase.IDLE and not block.unsharded:
+                self._ensure_gathered(block)
+
+        return hook
 
     # -- forward -------------------------------------------------------------------------------
 
