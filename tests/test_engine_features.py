@@ -186,6 +186,32 @@ def test_a_root_module_called_before_the_engines_forward_trains_like_plain_pytor
         assert torch.allclose(result["direct"], result["x"] @ w.t() + b, rtol=1e-5, atol=1e-6)
 
 
+def test_deepspeed_engine_getters_report_the_run():
+    """Scripts written against DeepSpeed's engine read its ranks, batch sizes, precision and whether the last
+    step was applied; each is checked against the config or the engine's own counters."""
+    cfg = config("gpt", micro_bs=2, grad_accum=2)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}  # the first steps overflow
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    assert (engine.global_rank, engine.world_size, engine.dp_world_size, engine.local_rank) == (0, 1, 1, 0)
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()) == (4, 2)
+    assert engine.zero_optimization_stage() == 3 and engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.get_mom() == [(0.9, 0.999)]  # AdamW's default betas: the config gives lr and weight decay
+    assert [n for n, _ in engine.named_parameters()] == [n for n, _ in make_model("gpt").named_parameters()]
+    data, applied = batches("gpt", 2), []
+    for micro in range(2 * 8):
+        _, loss = engine(*next(data))
+        engine.backward(loss)
+        skipped = engine.skipped_steps
+        engine.step()
+        if micro % 2 == 1:
+            applied.append(engine.was_step_applied())
+            assert applied[-1] == (engine.skipped_steps == skipped)
+    assert applied[0] is False and applied[-1] is True
+    assert engine.global_samples == engine.global_steps * 4 == 32
+    engine.zero_grad()
+    engine.close()
+
+
 # -- 4. buffers --------------------------------------------------------------------------------------------
 
 

@@ -101,6 +101,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
         apply_process_settings(self.placement)
         self.module = model
         self.global_steps = 0
+        self._step_applied = False  # the last optimizer step changed the weights (`was_step_applied`)
         self.micro_steps = 0
         self._backward_since_step = False  # engine.backward ran and engine.step has not yet counted it
         self.loss_scaler = LossScaler(cfg.fp16)
@@ -336,6 +337,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             if self.loss_scaler.update(overflow=not math.isfinite(norm)):
                 self.optimizer.zero_grad()
                 self.global_steps += 1
+                self._step_applied = False
                 return
             coef = ShardedAdam.clip_coefficient(norm, clip)
         in_order = self._forward_order()
@@ -352,6 +354,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
                 self.lr_scheduler.step()
             self._sync_hyperparameters(into_client=not self._client_is_truth)
         self.global_steps += 1
+        self._step_applied = True
 
     def _forward_order(self) -> list[list]:
         """The blocks' flats in the order the next forward reads them: persistent and root first, then the
@@ -394,3 +397,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
 
     def eval(self) -> InfinityEngine:
         return self.train(False)
+
+    def zero_grad(self) -> None:
+        """DeepSpeed's: drop the gradients accumulated so far (`step()` does it after each optimizer step)."""
+        self.optimizer.zero_grad()

@@ -3,6 +3,11 @@ without changing anything: a mixin of `InfinityEngine`, kept apart from the trai
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
+import torch
+
 
 class EngineReadouts:
     """The read-only half of the engine's API; see the module docstring."""
@@ -42,3 +47,57 @@ class EngineReadouts:
     def stall_s(self) -> float:
         """Seconds compute waited for a block's weights to arrive."""
         return self.scheduler.stall_s
+
+    # -- DeepSpeed's engine getters, for scripts written against them ------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    dp_world_size = world_size  # every rank is a data-parallel rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's LOCAL_RANK; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    @property
+    def global_samples(self) -> int:
+        """Samples the optimizer steps so far stood for (skipped fp16 steps included, as DeepSpeed counts)."""
+        return self.global_steps * self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.compute_dtype is torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.compute_dtype is torch.float16
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the weights (False after an fp16 overflow skipped it)."""
+        return self._step_applied
+
+    def get_mom(self) -> list[tuple[float, float]]:
+        """Each param group's Adam betas now."""
+        if self._client_is_truth:
+            self._sync_hyperparameters(into_client=False)
+        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The module's parameters (sharded ones are empty between passes: `full_state_dict` has the weights)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse)
