@@ -124,7 +124,11 @@ def test_a_folder_that_holds_nothing_yet_loads_nothing_as_in_deepspeed_and_one_w
     (None, None) and a warning, and the engine is untouched. Checkpoints without a usable `latest` are an error."""
     engine, _, _, _ = infinity.initialize(model=make_model("mlp_h40"), config=_mlp_config())
     before = engine.full_state_dict()
-    for nothing in (tmp_path / "missing", tmp_path):
+    killed = tmp_path / "killed" / ".global_step5.tmp"  # a first save whose process was killed (kill -9)
+    killed.mkdir(parents=True)
+    (killed / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"partial")
+    (tmp_path / "empty").mkdir()
+    for nothing in (tmp_path / "missing", tmp_path / "killed", tmp_path / "empty"):
         with pytest.warns(UserWarning, match="holds no checkpoint yet; nothing was loaded"):
             assert engine.load_checkpoint(str(nothing)) == (None, None)
     after = engine.full_state_dict()

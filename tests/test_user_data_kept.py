@@ -78,7 +78,7 @@ def _engine() -> infinity.InfinityEngine:
     return engine
 
 
-@pytest.mark.parametrize("tag", ["latest", ".", "..", "a/b", "../escaped", ".hidden"])
+@pytest.mark.parametrize("tag", ["latest", ".", "..", "a/b", "../escaped", ".hidden", "best ", " best", "best\n"])
 def test_a_tag_that_is_not_a_plain_folder_name_is_refused_before_anything_is_written(tmp_path, tag):
     engine = _engine()
     try:

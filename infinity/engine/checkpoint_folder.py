@@ -71,10 +71,12 @@ atexit.register(_remove_unpublished)
 
 def check_tag(root: Path, tag: str) -> None:
     """Refuse a tag that is not one plain folder name, or that would replace something not a checkpoint."""
-    if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or os.sep in tag or tag == LATEST:
+    odd = not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or os.sep in tag or tag == LATEST
+    if odd or tag != tag.strip() or not tag.isprintable():  # `latest` is read back stripped
         raise CheckpointError(
             f"checkpoint tag {tag!r} is not a plain folder name: a tag must not be empty, contain '/', start with "
-            f"'.' or be '{LATEST}' (the file naming the newest checkpoint); e.g. 'global_step100' or 'best'"
+            f"'.', begin or end with white space, hold control characters or be '{LATEST}' (the file naming the "
+            "newest checkpoint); e.g. 'global_step100' or 'best'"
         )
     final = root / tag
     if final.exists() and not (final / MANIFEST.format(rank=0)).is_file():

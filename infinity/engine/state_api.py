@@ -114,6 +114,9 @@ class EngineStateIO:
 
 
 def _holds_nothing(load_dir: str | os.PathLike) -> bool:
-    """`load_dir` is missing or an empty folder: nothing was ever saved there."""
+    """`load_dir` is missing, or a folder with nothing but the staging folder of a first save that never
+    finished (`.tag.tmp`, left by a killed process): no checkpoint was ever published there."""
     root = Path(load_dir)
-    return not root.exists() or (root.is_dir() and not any(root.iterdir()))
+    if not root.exists():
+        return True
+    return root.is_dir() and all(p.name.startswith(".") and p.name.endswith(".tmp") for p in root.iterdir())
