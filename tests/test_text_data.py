@@ -89,6 +89,29 @@ def test_a_damaged_cache_is_rebuilt_with_a_notice(tmp_path):
     assert torch.equal(load_tokens(path, ByteTokenizer(), notices.append), expected)
     assert any("damaged" in n for n in notices)
     assert np.array_equal(np.load(tokens_file), expected.numpy().astype(np.uint32))
+    tokens_file.write_bytes(b"")  # emptied (a copy that stopped): numpy's EOFError, not a traceback
+    assert torch.equal(load_tokens(path, ByteTokenizer(), notices.append), expected)
+    assert np.array_equal(np.load(tokens_file), expected.numpy().astype(np.uint32))
+
+
+def test_a_cache_that_cannot_be_written_leaves_no_partial_file_and_trains_on(tmp_path, monkeypatch):
+    """A disk that fills while the cache is written: the notice gives the free space, and the partial file is
+    removed (each run used to leave one more in the user's data folder)."""
+    import errno
+
+    path = tmp_path / "t.txt"
+    path.write_text("Out, out, brief candle!\n" * 10)
+
+    def full_disk(f, array, allow_pickle=False):
+        f.write(b"\x93NUMPY partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full_disk)
+    notices: list[str] = []
+    tokens = load_tokens(path, ByteTokenizer(), notices.append)
+    assert torch.equal(tokens, torch.tensor(list(path.read_bytes()), dtype=torch.int64))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
+    assert any("No space left on device" in n and "free" in n for n in notices)
 
 
 def test_a_missing_file_is_named(tmp_path):

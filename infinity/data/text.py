@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from infinity.storage.checksum import file_sha256
+from infinity.storage.disk_space import free_bytes
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 CACHE_FORMAT = 1
@@ -181,7 +182,7 @@ def _read_cache(tokens_path: Path, sidecar: Path) -> np.ndarray | None:
     meta = _read_sidecar(sidecar)
     try:
         tokens = np.load(tokens_path, allow_pickle=False)
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):  # EOFError: an empty file
         return None
     if meta is None or tokens.dtype != np.dtype("<u4") or tokens.ndim != 1:
         return None
@@ -191,12 +192,17 @@ def _read_cache(tokens_path: Path, sidecar: Path) -> np.ndarray | None:
 
 
 def _write_atomically(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
+    """Write `path` through a partial file renamed into place; the partial file is removed if that fails."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # ranks sharing the folder write apart
-    with partial.open(mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with partial.open(mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def load_tokens(path: str | os.PathLike, tokenizer, say: Callable[[str], None] = print) -> torch.Tensor:
@@ -227,7 +233,8 @@ def load_tokens(path: str | os.PathLike, tokenizer, say: Callable[[str], None] =
             _write_atomically(tokens_path, lambda f: np.save(f, tokens, allow_pickle=False))
             _write_atomically(sidecar, lambda f: f.write(json.dumps(meta, indent=1)), mode="w")
         except OSError as exc:
-            say(f"cannot cache the tokens of '{path}' beside it ({exc}); they are tokenized again next run")
+            say(f"cannot cache the tokens of '{path}' beside it ({exc}; {free_bytes(str(path.parent))} there); "
+                "they are tokenized again next run")  # fmt: skip
     return torch.from_numpy(tokens.astype(np.int64))
 
 
