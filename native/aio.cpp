@@ -27,7 +27,9 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -39,6 +41,7 @@ namespace py = pybind11;
 namespace {
 
 constexpr int64_t kAlign = 4096;
+constexpr int64_t kMaxBlockingWorkers = 256;  // threads standing in for kernel AIO's requests in flight
 
 int io_setup_(unsigned nr, aio_context_t* ctx) { return static_cast<int>(syscall(SYS_io_setup, nr, ctx)); }
 int io_destroy_(aio_context_t ctx) { return static_cast<int>(syscall(SYS_io_destroy, ctx)); }
@@ -94,10 +97,21 @@ public:
                 contexts_.push_back(ctx);
             }
         }
-        if (!contexts_.empty()) {
-            for (auto ctx : contexts_) workers_.emplace_back([this, ctx] { run_kaio(ctx); });
-        } else {
-            for (int i = 0; i < threads * queue_depth; ++i) workers_.emplace_back([this] { run_blocking(); });
+        // Without kernel AIO (io_setup refused: fs.aio-max-nr reached, or no support), blocking workers stand in
+        // for the requests in flight, at most kMaxBlockingWorkers of them. A thread that cannot start stops the
+        // ones that did and raises: an exception leaving the constructor with joinable threads would terminate.
+        try {
+            if (!contexts_.empty()) {
+                for (auto ctx : contexts_) workers_.emplace_back([this, ctx] { run_kaio(ctx); });
+            } else {
+                const int64_t wanted = static_cast<int64_t>(threads) * queue_depth;
+                for (int64_t i = 0; i < std::min<int64_t>(wanted, kMaxBlockingWorkers); ++i)
+                    workers_.emplace_back([this] { run_blocking(); });
+            }
+        } catch (const std::system_error& e) {
+            shutdown();
+            throw std::runtime_error(std::string("cannot start the I/O worker threads: ") + e.what() +
+                                     "; lower aio.queue_depth or aio.intra_op_parallelism");
         }
     }
 

@@ -81,6 +81,21 @@ def test_every_knob_setting_round_trips(disk_dir: Path, knobs: dict) -> None:
     engine.close()
 
 
+def test_the_largest_settings_the_config_takes_start_and_round_trip_without_kernel_aio(disk_dir: Path) -> None:
+    """queue_depth x intra_op_parallelism blocking workers stand in for kernel AIO where io_setup refuses
+    (fs.aio-max-nr): 8192 x 1024 of them aborted the process (std::terminate, no message); they are capped."""
+    from infinity.config import ConfigError
+    from infinity.config.schema import parse_section
+
+    cfg = parse_section(AioConfig, {"queue_depth": 8192, "intra_op_parallelism": 1024})
+    engine = DirectEngine(cfg, use_kaio=False)
+    _round_trip(engine, disk_dir / "data", [MiB + 3 * ALIGN, 5 * ALIGN])
+    engine.close()
+    for key, value in (("queue_depth", 65536), ("intra_op_parallelism", 100000), ("thread_count", 100000)):
+        with pytest.raises(ConfigError, match=f"'{key}'.*" if key != "thread_count" else "thread_count|intra_op"):
+            parse_section(AioConfig, {key: value})
+
+
 def test_submit_returns_at_once_and_wait_releases_the_gil(disk_dir: Path) -> None:
     """Counted, not timed: `write` returns with its 256 MiB still in flight, and while this thread waits
     another one runs Python until the write is done (a wait holding the GIL would leave it no turn)."""

@@ -21,10 +21,11 @@ class AioConfig:
 
     block_size: int = option(1048576, min_value=4096, doc="bytes per I/O piece; a multiple of 4096")
     queue_depth: int = option(
-        16, min_value=1, doc="requests in flight per worker thread (DeepSpeed's default is 8; see README)"
+        16, min_value=1, max_value=8192,
+        doc="requests in flight per worker thread (DeepSpeed's default is 8; see README)",
     )
     intra_op_parallelism: int = option(
-        1, aliases=("thread_count",), min_value=1, doc="worker threads splitting each request"
+        1, aliases=("thread_count",), min_value=1, max_value=1024, doc="worker threads splitting each request"
     )
     single_submit: bool = option(False)
     overlap_events: bool = option(True)

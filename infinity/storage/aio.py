@@ -22,7 +22,7 @@ from typing import Protocol
 import aiofiles
 import torch
 
-from infinity.config import AioConfig
+from infinity.config import AioConfig, ConfigError
 from infinity.storage.checksum import crc32c_address, crc32c_path_code, resolve_crc32c_path
 from infinity.storage.errors import StorageError
 
@@ -130,15 +130,18 @@ class DirectEngine(_Engine):
 
         self.cfg = cfg
         self.crc_path = resolve_crc32c_path(crc_path)
-        self._engine = load_native().aio.Engine(
-            cfg.block_size,
-            cfg.queue_depth,
-            cfg.intra_op_parallelism,
-            cfg.single_submit,
-            cfg.overlap_events,
-            use_kaio,
-            crc32c_path_code(self.crc_path),
-        )
+        try:
+            self._engine = load_native().aio.Engine(
+                cfg.block_size,
+                cfg.queue_depth,
+                cfg.intra_op_parallelism,
+                cfg.single_submit,
+                cfg.overlap_events,
+                use_kaio,
+                crc32c_path_code(self.crc_path),
+            )
+        except RuntimeError as exc:  # its worker threads could not start (it names the keys to lower)
+            raise ConfigError(f"aio: {exc}") from None
         self.submitter = self._engine.submitter  # "kaio" (kernel AIO) or "pread" (blocking threads)
 
     def open(self, path: str, create: bool = False) -> IoFile:
