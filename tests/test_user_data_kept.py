@@ -175,3 +175,45 @@ def test_a_save_dir_under_a_file_is_named_as_such(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main([*TINY, "--steps", "1", "--save-dir", str(tmp_path / "afile" / "x")]) == ExitCode.PATH
     assert f"its existing parent '{tmp_path / 'afile'}' is a file, not a folder" in capsys.readouterr().err
+
+
+def _hold_lock_in_another_process(folder: Path):
+    """A live process holding `folder`'s writer lock, as another run saving there does; stop it to release."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom infinity.engine.checkpoint_folder import hold_save_dir\n"
+        "hold_save_dir(Path(sys.argv[1]))\nprint('held', flush=True)\ntime.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_live_run_saving_into_the_same_folder_is_refused_and_the_first_keeps_its_checkpoints(
+    tmp_path, capsys
+):
+    """Two runs sharing a --save-dir both exited 0 while one silently replaced the other's checkpoints (or, started
+    together, deleted each other's staging folders). The folder's writer lock refuses the second run before it
+    trains, naming the live one; once that run ends, the folder is free again."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    holder = _hold_lock_in_another_process(ck)
+    try:
+        assert main([*TINY, "--steps", "2", "--save-dir", str(ck)]) == ExitCode.CHECKPOINT
+        err = capsys.readouterr().err
+        assert f"save folder of another live run (pid {holder.pid})" in err and "--save-dir" in err
+        assert list(ck.iterdir()) == []  # nothing written
+        engine = _engine()  # the Python API: refused at the save, nothing staged
+        try:
+            with pytest.raises(CheckpointError, match=f"another live run \\(pid {holder.pid}\\)"):
+                engine.save_checkpoint(str(ck))
+        finally:
+            engine.close()
+        assert list(ck.iterdir()) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main([*TINY, "--steps", "2", "--save-dir", str(ck)]) == 0  # the kernel dropped the dead run's lock
+    assert (ck / "latest").read_text().strip() == "global_step2"

@@ -66,9 +66,10 @@ def prepare_nvme_folders(cfg: InfinityConfig, from_flag: bool) -> None:
 
 
 def check_save_dir(save_dir: str, resuming: bool) -> None:
-    """Refuse a --save-dir that is a file, that checkpoints could not be written to, or that holds an earlier
-    run's checkpoints when this run starts afresh (its saves would replace them), before training."""
-    from infinity.engine.checkpoint_folder import list_checkpoints
+    """Refuse a --save-dir that is a file, that checkpoints could not be written to, that holds an earlier
+    run's checkpoints when this run starts afresh (its saves would replace them), or that another live run
+    saves into (rank 0 takes an existing folder's writer lock now, not at the first save), before training."""
+    from infinity.engine.checkpoint_folder import hold_save_dir, list_checkpoints
 
     path = Path(save_dir)
     if path.exists() and not path.is_dir():
@@ -87,6 +88,8 @@ def check_save_dir(save_dir: str, resuming: bool) -> None:
             ExitCode.PATH,
             f"--save-dir '{path}' {why if not where else 'cannot be created'}{where}: choose a writable folder",
         )
+    if os.environ.get("RANK", "0") == "0" and path.is_dir():  # a new folder is locked by the first save
+        hold_save_dir(path)
 
 
 def check_host_budget(cfg: InfinityConfig, model_name: str, block_size: int, world_size: int) -> None:

@@ -86,9 +86,62 @@ def check_tag(root: Path, tag: str) -> None:
         )
 
 
+_held_locks: dict[Path, int] = {}  # save folders whose writer lock this process holds: path -> descriptor
+
+
+def hold_save_dir(root: Path) -> None:
+    """Take `root`'s writer lock for the rest of this process or until `release_save_dirs` (rank 0; idempotent),
+    or raise CheckpointError naming the live run that holds it: two runs saving into one folder replace each
+    other's checkpoints and staging folders. The lock is a flock on the folder itself (nothing is written);
+    the kernel drops it when the process ends, however it ends. Where the file system cannot lock a folder
+    (some network file systems), nothing is checked."""
+    import fcntl
+
+    key = root.absolute()
+    if key in _held_locks:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot open the save folder '{root}': {exc.strerror or exc}", str(root)) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(os.fstat(fd).st_ino)
+        os.close(fd)
+        raise CheckpointError(
+            f"'{root}' is the save folder of another live run (pid {holder}): two runs saving there replace each "
+            "other's checkpoints; give each run its own save_dir (--save-dir)"
+        ) from None
+    except OSError:  # this file system cannot lock a folder
+        os.close(fd)
+        return
+    _held_locks[key] = fd
+
+
+def _lock_holder(inode: int) -> str:
+    """The pid holding a flock on `inode`, from /proc/locks ("?" where it cannot be told)."""
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and fields[-3].rsplit(":", 1)[-1] == str(inode):
+                return fields[-4]
+    except (OSError, IndexError):
+        pass
+    return "?"
+
+
+def release_save_dirs() -> None:
+    """Drop every writer lock this process holds (`engine.close()`: the run is over)."""
+    while _held_locks:
+        os.close(_held_locks.popitem()[1])
+
+
 def begin_staging(root: Path, staging: Path) -> None:
     """Create the empty staging folder `staging` in `root` (rank 0), registered for removal until published."""
     _remove_unpublished()
+    hold_save_dir(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)

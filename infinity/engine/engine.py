@@ -22,6 +22,7 @@ from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.comm.process_group import group_given_by_caller
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
+from infinity.engine.checkpoint_folder import release_save_dirs
 from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.grad_replay import GradientReplay, recompute_gradients
 from infinity.engine.host_memory import huge_pages_notice, keep_freed_blocks, return_freed_heap
@@ -388,6 +389,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat = None
+            release_save_dirs()  # another run may save into this one's folders now
 
     destroy = close  # DeepSpeed's name
 
