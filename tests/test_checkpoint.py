@@ -83,6 +83,36 @@ def _saved_engine(tmp_path):
     return engine, folder
 
 
+@pytest.mark.parametrize("change", ["renamed", "reshaped"])
+def test_a_model_whose_buffers_differ_is_refused_before_any_weight_is_loaded(tmp_path, change):
+    """The checkpoint's weights went in first and a buffer that was not there (KeyError) or had another shape
+    (RuntimeError) stopped the load after them: a half-loaded model. It is a RunMismatch naming the buffer,
+    and the engine keeps every weight it had."""
+    cfg = config("buffers", micro_bs=2, block_classes=("ScaledLayer",))
+    engine, _, _, _ = infinity.initialize(model=make_model("buffers"), config=cfg)
+    train_steps(engine, batches("buffers", 2), 1)
+    engine.save_checkpoint(str(tmp_path))
+    engine.close()
+    other = make_model("buffers", seed=3)
+    layer = next(m for m in other.modules() if hasattr(m, "scale"))
+    if change == "renamed":
+        scale = layer.scale
+        del layer._buffers["scale"]
+        layer.register_buffer("gain", scale)
+    else:
+        layer.register_buffer("scale", torch.ones(3))
+    fresh, _, _, _ = infinity.initialize(model=other, config=cfg)
+    before = fresh.full_state_dict()
+    what = (
+        r"gain' is not in the checkpoint" if change == "renamed" else r"scale' has shape \[\d+\] there and \[3\] here"
+    )
+    with pytest.raises(CheckpointError, match=f"holds a different model: buffer '[a-z.0-9]*{what}"):
+        fresh.load_checkpoint(str(tmp_path))
+    after = fresh.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    fresh.close()
+
+
 def test_truncated_file_is_named_and_state_untouched(tmp_path):
     engine, folder = _saved_engine(tmp_path)
     before = engine.full_state_dict()

@@ -268,6 +268,7 @@ def load_checkpoint(
         model_reader, optim_reader = files.reader("model", source), files.reader("optim", source)
         model_states, optim_states = model_reader.obj, optim_reader.obj
         _check_same_model(shards, folder, model_states)
+        _check_same_buffers(module, folder, model_states)
         with torch.no_grad():
             for flat in shards.flats:
                 start, end = flat.shard_range
@@ -298,6 +299,21 @@ def load_checkpoint(
     return folder, client_state, saved
 
 
+def _check_same_buffers(module: nn.Module, folder: Path, model_states: dict[str, Any]) -> None:
+    """RunMismatch naming a buffer the checkpoint and the module do not share, or share in another shape,
+    before anything is assigned (found after the weights, it left a model half loaded)."""
+    ours = {name: tuple(b.shape) for name, b in module.named_buffers()}
+    theirs = {name: tuple(t.shape) for name, t in model_states.get("buffers", {}).items()}
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            where = (
+                "is not in this model" if name not in ours
+                else "is not in the checkpoint" if name not in theirs
+                else f"has shape {list(theirs[name])} there and {list(ours[name])} here"
+            )  # fmt: skip
+            raise RunMismatch(f"checkpoint '{folder}' holds a different model: buffer '{name}' {where}; {_ACROSS}")
+
+
 _ACROSS = "to carry its weights across, write them out with `infinity consolidate`, then engine.load_full_state"
 
 
@@ -306,10 +322,11 @@ def _check_same_model(shards: ShardStore, folder: Path, model_states: dict[str, 
     saved_names = set(model_states["param_shards"])
     if saved_names != names:
         theirs, ours = sorted(saved_names - names)[:2], sorted(names - saved_names)[:2]
+        differ = [f"its shards {theirs} are not this engine's" if theirs else "",
+                  f"this engine's {ours} are not there" if ours else ""]  # fmt: skip
         raise RunMismatch(
             f"checkpoint '{folder}' holds a different model, or this model with other param groups, frozen "
-            f"parameters or block_classes (its shards {theirs} are not this engine's, and this engine's {ours} are "
-            f"not there); {_ACROSS}"
+            f"parameters or block_classes ({', and '.join(d for d in differ if d)}); {_ACROSS}"
         )
     for flat in shards.flats:
         saved = model_states.get("flats", {}).get(flat.name)
