@@ -136,6 +136,11 @@ def test_resume_continues_to_the_total_step_count(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "at step 3" in out and "steps 4-5 in" in out
     assert (tmp_path / "latest").read_text() == "global_step5"
+    assert "not applied on resume" not in out
+    # the checkpoint's schedule wins over a new --lr (as in DeepSpeed): said, not silently dropped
+    assert main([*base, "--steps", "6", "--resume", "--lr", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "--lr 0.5 is not applied on resume: the checkpoint's schedule continues (peak lr 0.003)" in out
 
 
 def test_consolidate_command_writes_a_loadable_state_dict(tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -288,6 +289,10 @@ def _resume(engine, data, args: argparse.Namespace, say) -> str:
             "gradient_accumulation_steps x ranks; at another number of ranks, with elastic_checkpoint, change the "
             "micro batch so that the product stays)"
         ) from exc
+    saved_lrs = getattr(engine.lr_scheduler, "base_lrs", None)
+    if getattr(args, "lr", None) is not None and saved_lrs and not math.isclose(saved_lrs[0], args.lr):
+        say(f"note: --lr {args.lr:g} is not applied on resume: the checkpoint's schedule continues (peak lr "
+            f"{saved_lrs[0]:g}), as in DeepSpeed; start a new run to change it")  # fmt: skip
     return tag
 
 
