@@ -7,6 +7,8 @@ engine's own full weights for the consolidated file.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from config_keys_cases import (
@@ -22,8 +24,11 @@ from config_keys_cases import (
 )
 from dist import run_distributed
 from harness import assert_weights_close, config, mean_losses, reference_for, train_on_rank
+from toy_models import make_model
 
+import infinity
 from infinity.config import NO_EFFECT, InfinityConfig, load_config, no_effect_notices
+from infinity.engine.checkpoint_folder import verify_checkpoint
 
 # -- prescale_gradients / gradient_predivide_factor ---------------------------------------------------------
 
@@ -177,6 +182,29 @@ def test_save_writes_the_consolidated_16bit_weights_when_asked(tmp_path, dtype):
         assert set(saved) == set(state)
         for key, value in state.items():
             assert saved[key].dtype == compute and torch.equal(saved[key], value.to(compute)), key
+
+
+def test_a_16bit_model_that_fills_the_disk_is_named_and_leaves_no_partial_file(tmp_path):
+    """A checkpoint with `stage3_gather_16bit_weights_on_model_save` on a disk with room for it but not for the
+    16-bit file: the error named no path ("No space left on device; free space there"), and the partial file
+    stayed inside the published checkpoint for good."""
+    import errno
+
+    from storage_fixtures import mounted
+
+    cfg = config("gpt", micro_bs=2, extra_zero={"stage3_gather_16bit_weights_on_model_save": True})
+    engine, _, _, _ = infinity.initialize(model=make_model("gpt"), config=cfg)
+    probe = engine.save_checkpoint(str(tmp_path / "probe"))
+    size = sum(p.stat().st_size for p in Path(probe).iterdir() if p.name != "pytorch_model.bin")
+    with mounted(tmp_path / "small_disk", "-t", "tmpfs", "-o", f"size={(size + 65536) // 4096 * 4096}", "none") as disk:
+        written = r"cannot write the 16-bit model '.*pytorch_model\.bin': No space left on device \(\d+ bytes free"
+        with pytest.raises(OSError, match=written) as info:
+            engine.save_checkpoint(str(disk))
+        assert info.value.errno == errno.ENOSPC
+        folder = disk / (disk / "latest").read_text()
+        assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+        verify_checkpoint(folder)  # the checkpoint itself was published whole
+    engine.close()
 
 
 def test_at_stage_2_save_16bit_model_writes_the_weights_without_the_stage3_key(tmp_path):

@@ -19,6 +19,8 @@ from infinity.engine.checkpoint_format import order_aliases_after_sources, write
 from infinity.engine.state_io import iter_full_state
 from infinity.models.weight_files import TensorSpec, write_safetensors_file
 from infinity.shards.store import ShardStore
+from infinity.storage.disk_space import free_bytes
+from infinity.storage.errors import StorageError
 
 DEFAULT_FILENAME = "pytorch_model.bin"
 
@@ -73,10 +75,21 @@ def write_16bit_model(shards: ShardStore, module: nn.Module, path: str | os.Path
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    if path.suffix == ".safetensors":
-        write_safetensors_file(partial, order_aliases_after_sources(specs), produce, {"format": "pt"})
-    else:
-        write_torch_file(partial, specs, produce)
+    try:
+        if path.suffix == ".safetensors":
+            write_safetensors_file(partial, order_aliases_after_sources(specs), produce, {"format": "pt"})
+        else:
+            write_torch_file(partial, specs, produce)
+    except BaseException as exc:
+        partial.unlink(missing_ok=True)  # inside a published checkpoint it would stay for good
+        if not isinstance(exc, OSError) or isinstance(exc, StorageError):  # a swap read's error says it all
+            raise
+        raise OSError(
+            exc.errno,
+            f"cannot write the 16-bit model '{path}': {exc.strerror or exc} ({free_bytes(str(path.parent))}); free "
+            "space there or save to another folder",
+            str(path),
+        ) from exc
     for _ in named:  # the rest (non-persistent buffers) is gathered by the other ranks too
         pass
     os.replace(partial, path)
