@@ -26,6 +26,8 @@ from torch import nn
 from infinity.config import ConfigError
 from infinity.models.folder_checksums import CHECKSUMS_FILE, verify_folder_checksums, write_folder_checksums
 from infinity.models.meta import parameters_on_meta
+from infinity.storage.disk_space import free_bytes
+from infinity.storage.errors import StorageError
 
 CONFIG_FILE = "config.json"
 
@@ -189,16 +191,27 @@ def save_hf_folder(engine, hf: HFFolder, out: str | os.PathLike, max_shard_bytes
         return out
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    write_hf_weights(hf_tensors(hf.model, named), staging, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
-    config = copy.deepcopy(hf.config)
-    config.dtype = torch.float32  # the trained fp32 master weights are what is written
-    config.save_pretrained(staging)
-    generation = getattr(hf.model, "generation_config", None)
-    if generation is not None and (hf.folder / "generation_config.json").is_file():
-        generation.save_pretrained(staging)
-    if hf.tokenizer is not None:
-        hf.tokenizer.save_pretrained(staging)
-    write_folder_checksums(staging)
+    try:
+        write_hf_weights(hf_tensors(hf.model, named), staging, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        config = copy.deepcopy(hf.config)
+        config.dtype = torch.float32  # the trained fp32 master weights are what is written
+        config.save_pretrained(staging)
+        generation = getattr(hf.model, "generation_config", None)
+        if generation is not None and (hf.folder / "generation_config.json").is_file():
+            generation.save_pretrained(staging)
+        if hf.tokenizer is not None:
+            hf.tokenizer.save_pretrained(staging)
+        write_folder_checksums(staging)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)  # the earlier folder at `out`, if any, is untouched
+        if not isinstance(exc, OSError) or isinstance(exc, StorageError):
+            raise
+        raise OSError(
+            exc.errno,
+            f"cannot write the Hugging Face folder '{out}': {exc.strerror or exc} ({free_bytes(str(out.parent))}); "
+            "free space there or choose another --save-hf folder",
+            str(out),
+        ) from exc
     old = out.with_name(f".{out.name}.old")
     if out.exists():  # an earlier Hugging Face folder (`check_hf_output`): replaced once the new one is complete
         shutil.rmtree(old, ignore_errors=True)
