@@ -150,6 +150,64 @@ def test_lora_blocks_under_reentrant_checkpointing_match_plain_pytorch():
     assert_matches_reference(list(results), ref_losses, ref_state)
 
 
+def _train_counting_gathered_blocks(cfg: dict, steps: int, micro_bs: int) -> dict:
+    """Train "lora_cross", counting the blocks gathered at once in backward; step 1 also runs a forward with
+    autograd on whose graph is dropped without a backward (a batch skipped for its loss)."""
+    from harness import rank_and_world
+
+    from infinity.partition.sharded_block import BlockState
+
+    rank, world = rank_and_world()
+    engine, _, _, _ = infinity.initialize(model=make_model("lora_cross"), config=cfg)
+    blocks, peak = engine.scheduler.blocks, [0]
+    for block in blocks:
+        for p in block.trainable:
+            p.register_post_accumulate_grad_hook(
+                lambda _p: peak.__setitem__(0, max(peak[0], sum(b.state is BlockState.UNSHARDED for b in blocks)))
+            )
+    data, losses = batches("lora_cross", micro_bs, rank=rank, world_size=world), []
+    for step in range(steps):
+        x, y = next(data)
+        if step == 1:
+            engine(x, y)  # dropped: its calls owe nothing once its graph is freed
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    result = {"losses": losses, "state": engine.full_state_dict(), "peak": peak[0], "blocks": len(blocks)}
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("world,offload", [(1, "nvme"), (2, "none")])
+def test_lora_blocks_sharing_a_context_are_resharded_one_by_one_in_backward(tmp_path, world, offload):
+    """Every block reads one trainable context (cross-attention's encoder states): its gradient is whole only
+    after the last block's backward, and a hook on it kept all six blocks gathered to the end. Each block's
+    own use of its inputs is watched instead; a forward whose graph was dropped leaves nothing owed."""
+    cfg = config("lora_cross", micro_bs=MICRO_BS, block_classes=("CrossLoRALayer",), offload_param=offload,
+                 offload_optimizer=offload, nvme_path=str(tmp_path),
+                 extra_zero={"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1})  # fmt: skip
+    results = run_distributed(_train_counting_gathered_blocks, world, cfg, STEPS, MICRO_BS)
+    ref_losses, ref_state, _ = reference_for("lora_cross", STEPS, MICRO_BS * world)
+    assert_matches_reference(list(results), ref_losses, ref_state)
+    assert all(r["blocks"] == 6 and r["peak"] <= 2 for r in results), [r["peak"] for r in results]
+
+
+def _branch_on_even_steps(step: int) -> dict:
+    return {"use_branch": step % 2 == 0}
+
+
+def test_a_frozen_block_whose_output_a_step_leaves_unused_trains_like_plain_pytorch(tmp_path):
+    """The frozen block is gathered again by backward's prefetch (the last step's order) while its input's
+    gradient arrives through the other path: resharding it then, mid-gather, raised."""
+    cfg = config("frozen_branch", micro_bs=MICRO_BS, offload_param="nvme", offload_optimizer="nvme",
+                 nvme_path=str(tmp_path), extra_zero={"stage3_max_reuse_distance": 0})  # fmt: skip
+    kwargs = {"step_kwargs": _branch_on_even_steps}
+    results = run_distributed(train_on_rank, 1, "frozen_branch", cfg, STEPS, MICRO_BS, **kwargs)
+    ref_losses, ref_state, _ = reference_for("frozen_branch", STEPS, MICRO_BS, **kwargs)
+    assert_matches_reference(list(results), ref_losses, ref_state)
+
+
 def _train_embedding_outside(cfg: dict, steps: int, micro_bs: int) -> dict:
     """Train with each batch projected by the root's `inp` before the engine's forward, then call `inp` alone
     with no pass running (as generate() calls an encoder)."""
@@ -206,6 +264,8 @@ def test_deepspeed_engine_getters_report_the_run():
         if micro % 2 == 1:
             applied.append(engine.was_step_applied())
             assert applied[-1] == (engine.skipped_steps == skipped)
+        else:  # between accumulation boundaries nothing is applied
+            assert not engine.was_step_applied()
     assert applied[0] is False and applied[-1] is True
     assert engine.global_samples == engine.global_steps * 4 == 32
     engine.zero_grad()

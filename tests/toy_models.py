@@ -132,6 +132,48 @@ class LoRANet(nn.Module):
         return out, None if targets is None else F.mse_loss(out, targets)
 
 
+class CrossLoRALayer(LoRALayer):
+    """A LoRALayer that also reads a context every block shares (a decoder's encoder states)."""
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x if ctx is None else x + ctx)
+
+
+class CrossLoRANet(LoRANet):
+    """Six CrossLoRALayer blocks, each given the same trainable context from the root: the context's gradient is
+    complete only after the last of them, while each block's own use of it is done in its own backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ctx = nn.Linear(16, 24)
+        self.layers = nn.ModuleList([CrossLoRALayer(24) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        ctx, h = self.ctx(x), self.inp(x)
+        for layer in self.layers:
+            h = layer(h, ctx=ctx)
+        out = self.head(h)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class FrozenBranchNet(nn.Module):
+    """A trainable block, a wholly frozen block computed every step whose output only some steps' loss uses
+    (`use_branch`), and another trainable block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 24)
+        self.first, self.branch, self.last = MLPLayer(24, 24), MLPLayer(24, 24), MLPLayer(24, 24)
+        self.branch.requires_grad_(False)
+        self.head = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, use_branch: bool = True):
+        h = self.first(self.inp(x))
+        side = self.branch(h)
+        out = self.head(self.last(h + side if use_branch else h))
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
 class ReentrantLoRANet(LoRANet):
     """LoRANet with each block under torch.utils.checkpoint(use_reentrant=True); the same weights."""
 
@@ -206,7 +248,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
             p.requires_grad_(name not in FROZEN)
         return model
     models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP,
-              "lora": LoRANet, "lora_reentrant": ReentrantLoRANet, "embed_outside": EmbedOutsideNet}  # fmt: skip
+              "lora": LoRANet, "lora_reentrant": ReentrantLoRANet, "embed_outside": EmbedOutsideNet,
+              "lora_cross": CrossLoRANet, "frozen_branch": FrozenBranchNet}  # fmt: skip
     return models[kind]()
 
 

@@ -267,7 +267,6 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
                 f"every gradient_accumulation_steps (now {self.gradient_accumulation_steps}) micro-batches. To "
                 "accumulate N micro-batches, set gradient_accumulation_steps to N"
             )
-        self._backward_since_step = True
         scaled = loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)
         self.shards.settle_all()  # a step still owed (a shard the forward did not gather) before new gradients
         self.scheduler.begin_backward()
@@ -277,10 +276,12 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             scaled.backward()
             self.scheduler.finish_backward()
             self.reducer.flush()
+        self._backward_since_step = True
 
     def step(self) -> None:
         """At an accumulation boundary: clip, unscale, step the optimizer and the LR schedule."""
         self._refuse_autograd_backward()
+        self._step_applied = False  # until an optimizer step changes the weights, as DeepSpeed says
         if self.is_gradient_accumulation_boundary():
             if self._unused_check is not None:
                 self._unused_check.check()
@@ -338,7 +339,6 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             if self.loss_scaler.update(overflow=not math.isfinite(norm)):
                 self.optimizer.zero_grad()
                 self.global_steps += 1
-                self._step_applied = False
                 return
             coef = ShardedAdam.clip_coefficient(norm, clip)
         in_order = self._forward_order()

@@ -86,7 +86,8 @@ class EngineReadouts:
         return self.compute_dtype is torch.float16
 
     def was_step_applied(self) -> bool:
-        """Whether the last optimizer step changed the weights (False after an fp16 overflow skipped it)."""
+        """Whether the last `step()` changed the weights: False between accumulation boundaries and where an fp16
+        overflow skipped the step, as DeepSpeed's."""
         return self._step_applied
 
     def get_mom(self) -> list[tuple[float, float]]:

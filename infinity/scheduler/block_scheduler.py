@@ -173,6 +173,7 @@ class BlockScheduler(GatherWindow):
         self._running = [self.root]
         if torch.is_grad_enabled():
             self._read_across_last_pass = frozenset()
+            self._watched.clear()  # this forward's calls, not an earlier forward's that had no backward
         self._external.begin_call(self.root)
         self.forward_trace.start_pass()
         self._kept_for_backward = self._plan_backward_turn() if torch.is_grad_enabled() else set()
@@ -334,14 +335,14 @@ class BlockScheduler(GatherWindow):
         """Watch a training call's inputs (`FrozenReads`): in forward, or in the recomputation of a reentrant
         checkpoint, whose forward ran without grad (a non-reentrant one's forward was watched already)."""
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if not torch.is_grad_enabled():
-                return
+                return None
             if self.phase is Phase.FORWARD:
                 self._watched.add(block)
             elif self.phase is not Phase.BACKWARD or block in self._watched:
-                return
-            self._frozen.watch(block, args, kwargs)
+                return None
+            return self._frozen.watch(block, args, kwargs)
 
         return hook
 
@@ -349,7 +350,8 @@ class BlockScheduler(GatherWindow):
         """Backward is done with `block`'s frozen weights: reshard it if its gradients are in (or it has none)."""
         if block in self._grads_in or not block.trainable:
             self._grads_in.discard(block)
-            if block not in self._external.held_for_step:
+            # a block gathered again meanwhile (the backward order's prefetch) is left to `finish_backward`
+            if block not in self._external.held_for_step and not block.in_flight:
                 block.reshard()
 
     def finish_backward(self) -> None:

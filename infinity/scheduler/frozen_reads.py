@@ -4,18 +4,45 @@ A block's trainable parameters say when autograd is done with them (their gradie
 weight has no gradient: a LoRA base or a frozen attention is read by backward to carry the gradient to the
 block's inputs, possibly after every trainable gradient of the block has arrived. Any node of the block's
 backward that reads a frozen weight lies on a path to the block's inputs or to its trainable parameters, so
-once both have their gradients it has run. `FrozenReads` watches the inputs of each training call of a
-block with frozen flats (a gradient hook on them all) and says whether a call's input gradients are owed.
+once both have their gradients it has run. `FrozenReads` passes each training call's inputs through an
+identity autograd function (as FSDP2 does) whose backward runs once this call's uses of them have their
+gradients (a gradient hook on the tensors themselves would wait for every other user of a tensor shared by
+all blocks, such as a decoder's encoder states). A call whose graph is freed without a backward owes nothing.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from infinity.partition.sharded_block import ShardedBlock
+
+
+class _CallToken:
+    """Held by one watched call's autograd node alone: fired by its backward, or finalized with its graph."""
+
+    __slots__ = ("fire", "__weakref__")
+
+    def __init__(self, fire: Callable[[], None]) -> None:
+        self.fire = fire
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a call's inputs; its backward runs when this call's uses of them have their gradients."""
+
+    @staticmethod
+    def forward(ctx, token: _CallToken, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.token = token
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.token.fire()
+        return (None, *grads)
 
 
 class FrozenReads:
@@ -25,32 +52,49 @@ class FrozenReads:
         """`on_inputs_done(block)`: backward computed the input gradients of every watched call of `block`."""
         self._on_inputs_done = on_inputs_done
         self._owed: dict[ShardedBlock, int] = {}
+        self._pass = 0  # backwards ended: a call of an earlier pass, its graph freed late, settles nothing
 
     @staticmethod
     def applies(block: ShardedBlock) -> bool:
         """Whether `block` has frozen flats whose gathered weights backward may read."""
         return any(not f.requires_grad for f in block.flats)
 
-    def watch(self, block: ShardedBlock, args: tuple, kwargs: dict) -> None:
-        """A training forward call of `block` with these inputs began."""
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not inputs:  # nothing flows back through the inputs: the trainable gradients say it all
-            return
+    def watch(self, block: ShardedBlock, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A training call of `block` with these inputs begins: the (args, kwargs) to call it with instead, or
+        None to keep them (no input requires grad)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         self._owed[block] = self._owed.get(block, 0) + 1
-        torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads: self._arrived(block), mode="all")
+        if not at:  # none seen (or inputs in objects the flattening does not open): owed until backward ends
+            return None
+        done, this_pass = [False], self._pass
+
+        def settle(arrived: bool) -> None:
+            if not done[0] and self._pass == this_pass:
+                done[0] = True
+                self._settle(block, arrived)
+
+        token = _CallToken(lambda: settle(True))
+        weakref.finalize(token, settle, False)  # the graph freed without a backward (a forward alone)
+        outputs = _InputsDone.apply(token, *(leaves[i] for i in at))
+        for i, out in zip(at, outputs, strict=True):
+            leaves[i] = out
+        return tree_unflatten(leaves, spec)
 
     def owes(self, block: ShardedBlock) -> bool:
         """Whether backward may still read `block`'s frozen weights for some call's input gradients."""
         return self._owed.get(block, 0) > 0
 
-    def _arrived(self, block: ShardedBlock) -> None:
+    def _settle(self, block: ShardedBlock, arrived: bool) -> None:
         left = self._owed.get(block, 0) - 1
         if left > 0:
             self._owed[block] = left
             return
         self._owed.pop(block, None)
-        self._on_inputs_done(block)
+        if arrived:
+            self._on_inputs_done(block)
 
     def clear(self) -> None:
-        """A pass ended (or a new forward began): hooks that never fired owe nothing any more."""
+        """A backward ended: calls whose inputs it never reached owe nothing any more."""
         self._owed.clear()
+        self._pass += 1

@@ -138,7 +138,9 @@ class GatherWindow:
         if block.state is BlockState.SHARDED:
             # Starting the fetch first applies an optimizer step deferred to this use, outside the gather's
             # stall: the step records its own waits ("optimizer step") and compute, which a gather's stall
-            # would have swallowed and labelled as the parameters' read.
+            # would have swallowed and labelled as the parameters' read. The gathers queued before go first,
+            # in the same order as ever, to run behind that step.
+            self._issue_all()
             self._start(block)
         start = time.perf_counter_ns()
         issued = block.issued_ns if in_flight else start
