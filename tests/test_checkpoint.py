@@ -24,6 +24,7 @@ from infinity.engine.checkpoint import (
     optim_file,
     verify_checkpoint,
 )
+from infinity.engine.checkpoint_folder import seal_manifest
 
 pytest_plugins = ["storage_fixtures"]  # a tiny tmpfs for a full disk
 
@@ -233,7 +234,7 @@ def test_a_manifest_without_what_loading_needs_is_named(tmp_path, damage, named)
     path = tmp_path / "global_step2" / MANIFEST.format(rank=0)
     manifest = json.loads(path.read_text())
     damage(manifest)
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(seal_manifest(manifest)))  # as a writer that left it out would
     with pytest.raises(CheckpointError, match=f"manifest '{path}' is damaged: {re.escape(named)}"):
         engine.load_checkpoint(str(tmp_path))
 

@@ -19,6 +19,7 @@ from child_signals import default_signal_actions
 
 from infinity.cli.faults import ExitCode
 from infinity.engine.checkpoint import LATEST, MANIFEST, model_file, optim_file, verify_checkpoint
+from infinity.engine.checkpoint_folder import seal_manifest
 
 pytest_plugins = ["storage_fixtures"]  # real directories: read-only bind mounts, tiny tmpfs
 
@@ -147,11 +148,28 @@ def test_manifest_missing_world_size_is_named(saved_run, tmp_path):
     manifest = ck / "global_step6" / MANIFEST.format(rank=0)
     data = json.loads(manifest.read_text())
     del data["world_size"]
-    manifest.write_text(json.dumps(data))
+    manifest.write_text(json.dumps(seal_manifest(data)))  # as a writer that left it out would
     done = _infinity(["consolidate", "ck", "model.pt"], tmp_path)
     _fails(done, ExitCode.CHECKPOINT, f"'{manifest.relative_to(tmp_path)}' is damaged: it has no 'world_size'")
     done = _infinity([*TINY_CPU, "--steps", "8", "--save-dir", "ck", "--resume"], tmp_path)
     _fails(done, ExitCode.CHECKPOINT, "has no 'world_size'", "--resume-tag global_step4")
+
+
+def test_a_manifest_changed_after_it_was_written_is_named_as_damaged_and_the_newest_good_one_offered(
+    saved_run, tmp_path
+):
+    """One digit of `world_size` changed in a manifest read as a checkpoint of another world size (no fallback
+    offered). The manifest's own checksum names it as damaged; --resume offers the newest checkpoint that
+    verifies, and --resume-fallback takes it."""
+    ck = _copy(saved_run, tmp_path)
+    manifest = ck / "global_step6" / MANIFEST.format(rank=0)
+    manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2', 1))
+    resume = [*TINY_CPU, "--steps", "8", "--save-dir", "ck", "--resume"]
+    done = _infinity(resume, tmp_path)
+    _fails(done, ExitCode.CHECKPOINT, "do not match its own checksum", "--resume-tag global_step4")
+    done = _infinity([*resume, "--resume-fallback"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "global_step4" in done.stdout and (ck / LATEST).read_text() == "global_step8"
 
 
 def test_empty_latest_is_reported_as_empty_and_the_newest_complete_one_offered(saved_run, tmp_path):

@@ -21,6 +21,7 @@ from toy_models import batches, make_model
 import infinity
 from infinity.data.text import ByteTokenizer, cache_paths, load_tokens
 from infinity.engine.checkpoint import MANIFEST, CheckpointError, model_file, optim_file, resolve_folder
+from infinity.engine.checkpoint_folder import seal_manifest
 
 TEXT = "Friends, Romans, countrymen, lend me your ears;\n" * 40
 
@@ -102,7 +103,7 @@ def test_a_manifest_that_leaves_out_a_file_is_refused_and_the_file_never_read_un
     manifest_path = folder / MANIFEST.format(rank=0)
     manifest = json.loads(manifest_path.read_text())
     manifest["files"].pop(left_out)
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(json.dumps(seal_manifest(manifest)))  # as a writer that left it out would
     victim = folder / left_out
     _flip(victim, _record_data_offset(victim, "archive/data/0") + 8)  # its first record
     before = engine.full_state_dict()

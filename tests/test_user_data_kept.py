@@ -18,6 +18,7 @@ from infinity.cli import main
 from infinity.cli.faults import ExitCode
 from infinity.config import ConfigError
 from infinity.engine.checkpoint import MANIFEST, CheckpointError
+from infinity.engine.checkpoint_folder import seal_manifest
 from infinity.engine.consolidate import consolidate
 from infinity.models.hf import check_hf_output
 
@@ -109,11 +110,11 @@ def test_a_checkpoint_from_a_newer_format_is_refused_by_name(tmp_path):
     folder = Path(engine.save_checkpoint(str(tmp_path / "ck")))
     manifest = folder / MANIFEST.format(rank=0)
     data = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps({**data, "format_version": 99}))
+    manifest.write_text(json.dumps(seal_manifest({**data, "format_version": 99})))  # as a newer infinity writes
     try:
         with pytest.raises(CheckpointError, match="format 99, written by a newer infinity"):
             engine.load_checkpoint(str(tmp_path / "ck"))
-        manifest.write_text(json.dumps({**data, "global_steps": None}))
+        manifest.write_text(json.dumps(seal_manifest({**data, "global_steps": None})))
         with pytest.raises(CheckpointError, match="'global_steps' is None"):
             engine.load_checkpoint(str(tmp_path / "ck"))
     finally:

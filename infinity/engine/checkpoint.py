@@ -53,6 +53,7 @@ from infinity.engine.checkpoint_folder import (
     publish,
     read_manifest,
     resolve_folder,
+    seal_manifest,
     verify_checkpoint,
     verify_rank,
     write_file,
@@ -226,7 +227,7 @@ def save_checkpoint(
         "global_steps": run.global_steps,
         "files": files,
     }
-    write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(manifest, indent=1))
+    write_text(staging / MANIFEST.format(rank=comm.rank), json.dumps(seal_manifest(manifest), indent=1))
     comm.barrier("checkpoint files written")
     if comm.rank == 0:
         publish(root, staging, final, tag, save_latest)

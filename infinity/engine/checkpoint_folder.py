@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import hashlib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from infinity.estimator import format_bytes
 from infinity.storage.checksum import file_sha256
 
 MANIFEST = "manifest_rank{rank}.json"
+MANIFEST_SEAL = "manifest_sha256"
 LATEST = "latest"
 FORMAT_VERSION = 2  # 2: model states carry "flats" (slot metadata) and "state_dict_keys"
 
@@ -318,10 +320,20 @@ def resolve_folder(
     return folder
 
 
+def seal_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with `manifest_sha256`: the SHA-256 of its other fields (sorted JSON), so that a manifest edited
+    or damaged after it was written (a world size, a file's checksum) is named as damaged, never believed."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_SEAL}
+    return {**body, MANIFEST_SEAL: hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
 def _manifest_problem(manifest: Any, rank: int) -> str:
-    """What is wrong with a parsed manifest, or ''."""
+    """What is wrong with a parsed manifest, or ''. One with a seal (`seal_manifest`) must match it; older
+    manifests have none."""
     if not isinstance(manifest, dict):
         return "it is not a JSON object"
+    if MANIFEST_SEAL in manifest and seal_manifest(manifest)[MANIFEST_SEAL] != manifest[MANIFEST_SEAL]:
+        return "its contents do not match its own checksum: it changed after it was written"
     for key in ("world_size", "files"):
         if key not in manifest:
             return f"it has no '{key}'"
