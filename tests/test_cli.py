@@ -129,6 +129,13 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "cannot resume" in err and "no checkpoint there is complete" in err and "without --resume" in err
 
 
+def test_an_empty_resume_tag_is_refused_not_taken_for_no_resume(tmp_path, capsys):
+    args = ["train", "--model", "tiny", "--steps", "2", "--offload", "cpu", "--save-dir", str(tmp_path)]
+    assert main([*args, "--resume-tag", ""]) == ExitCode.USAGE
+    assert "--resume-tag needs the tag of a checkpoint" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing trained, nothing saved
+
+
 def test_resume_continues_to_the_total_step_count(tmp_path, capsys):
     base = ["train", "--model", "tiny", "--offload", "cpu", "--save-dir", str(tmp_path)]
     assert main([*base, "--steps", "3"]) == 0

@@ -300,6 +300,8 @@ def run_train(args: argparse.Namespace) -> int:
     """Train per `args`; returns the process exit code. User errors raise (see `infinity.cli.faults`)."""
     if args.steps < 1 or args.save_every < 0:
         raise ConfigError("--steps must be >= 1 and --save-every >= 0")
+    if args.resume_tag is not None and not args.resume_tag.strip():
+        raise ConfigError("--resume-tag needs the tag of a checkpoint in --save-dir (e.g. global_step100), got ''")
     if args.resume_fallback and not (args.resume or args.resume_tag):
         raise ConfigError("--resume-fallback applies to a resume: add --resume (or --resume-tag TAG)")
     torch.set_flush_denormal(True)
