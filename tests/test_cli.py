@@ -211,3 +211,21 @@ def test_swap_rates_are_byte_deltas_over_time_per_tier_pair():
     now = {"host->device": 3_000_000_000, "nvme->host": 500_000_000}
     before = {"host->device": 1_000_000_000, "nvme->host": 500_000_000}
     assert format_rates(now, before, seconds=2.0) == "host->device 1 GB/s"
+
+
+def test_infinitys_own_warnings_print_as_one_note_line_and_others_as_python_prints_them(capsys):
+    """A stale swap file's removal printed as ".../storage/mover.py:59: UserWarning: ..." in a run's output."""
+    import warnings
+    from pathlib import Path
+
+    import infinity
+    from infinity.cli import _notices_as_lines
+
+    ours = str(Path(infinity.__file__).parent / "storage" / "mover.py")
+    with _notices_as_lines("train"), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("removing stale swap file 'x.swap'", UserWarning, ours, 59)
+        warnings.warn_explicit("from elsewhere", UserWarning, "/somewhere/else.py", 3)
+    err = capsys.readouterr().err
+    assert "infinity train: note: removing stale swap file 'x.swap'\n" in err and "mover.py:59" not in err
+    assert "/somewhere/else.py:3: UserWarning: from elsewhere" in err

@@ -16,8 +16,12 @@ or INFINITY_DEBUG=1 adds the traceback. A bug in infinity ends in a traceback an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 COMMANDS = ("train", "config", "consolidate", "estimate", "profile", "tune")
 
@@ -125,7 +129,28 @@ def main(argv: list[str] | None = None, may_restart: bool = False) -> int:
         argv.insert(0, "train")  # `infinity`, `infinity --steps 10`: the train command
     args = _parser().parse_args(argv)
     args.may_restart = may_restart  # an in-process caller (a test, a notebook) is never replaced
-    return guarded(args.command, lambda: _run(args), debug)
+    with _notices_as_lines(args.command):
+        return guarded(args.command, lambda: _run(args), debug)
+
+
+@contextlib.contextmanager
+def _notices_as_lines(command: str) -> Iterator[None]:
+    """infinity's own warnings print as one line, "infinity train: note: ...", not as a source path, a line
+    number and "UserWarning:" (a stale swap file removed, a key with no effect); others' as Python prints them."""
+    package = str(Path(__file__).resolve().parents[1])
+    python_shows = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if str(filename).startswith(package):
+            print(f"infinity {command}: note: {message}", file=sys.stderr if file is None else file)
+        else:
+            python_shows(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = python_shows
 
 
 def _run(args: argparse.Namespace) -> int:
