@@ -229,3 +229,15 @@ def test_infinitys_own_warnings_print_as_one_note_line_and_others_as_python_prin
     err = capsys.readouterr().err
     assert "infinity train: note: removing stale swap file 'x.swap'\n" in err and "mover.py:59" not in err
     assert "note: from elsewhere" not in err  # left to Python's (here pytest's) display
+
+
+def test_a_run_whose_loss_turns_nan_stops_and_latest_keeps_the_last_finite_checkpoint(tmp_path, capsys):
+    """--lr 1e10 trained on to a nan loss, exited 0 and saved the nan weights as `latest`."""
+    import re
+
+    args = ["train", "--model", "tiny", "--offload", "cpu", "--steps", "20", "--save-every", "1", "--lr", "1e10"]
+    assert main([*args, "--save-dir", str(tmp_path)]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    step = int(re.search(r"the loss is nan at step (\d+): training diverged", err).group(1))
+    assert (tmp_path / "latest").read_text() == f"global_step{step - 1}"
+    assert not (tmp_path / f"global_step{step}").exists()

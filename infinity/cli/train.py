@@ -326,6 +326,11 @@ def _loop(engine, choice, data, args: argparse.Namespace, start_step: int, progr
         losses.append(_mean_over_ranks(engine, step_loss))
         if progress is not None:
             progress.update(step, losses[-1], engine.bytes_moved, engine.get_lr()[0])
+        if not math.isfinite(losses[-1]) and engine.compute_dtype is not torch.float16:  # fp16 skips overflows
+            raise ConfigError(
+                f"the loss is {losses[-1]} at step {step}: training diverged, and its weights are not saved (the "
+                "checkpoints in --save-dir, if any, are kept): lower --lr, then --resume or start again"
+            )
         if args.save_every and step % args.save_every == 0 and step != args.steps:
             folder = save()
             if progress is not None:
