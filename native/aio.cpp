@@ -108,10 +108,10 @@ public:
                 for (int64_t i = 0; i < std::min<int64_t>(wanted, kMaxBlockingWorkers); ++i)
                     workers_.emplace_back([this] { run_blocking(); });
             }
-        } catch (const std::system_error& e) {
+        } catch (const std::exception& e) {  // std::system_error from a thread, std::bad_alloc from the vector
             shutdown();
             throw std::runtime_error(std::string("cannot start the I/O worker threads: ") + e.what() +
-                                     "; lower aio.queue_depth or aio.intra_op_parallelism");
+                                     "; lower aio.intra_op_parallelism (and aio.queue_depth)");
         }
     }
 

@@ -114,6 +114,26 @@ def test_a_model_whose_buffers_differ_is_refused_before_any_weight_is_loaded(tmp
     fresh.close()
 
 
+def test_a_non_persistent_buffer_added_since_the_save_keeps_its_value_and_the_rest_loads(tmp_path):
+    """Non-persistent buffers (position ids, caches) are no part of the model's state: one the checkpoint lacks
+    is no mismatch."""
+    cfg = config("buffers", micro_bs=2, block_classes=("ScaledLayer",))
+    engine, _, _, _ = infinity.initialize(model=make_model("buffers"), config=cfg)
+    train_steps(engine, batches("buffers", 2), 1)
+    engine.save_checkpoint(str(tmp_path))
+    saved = engine.full_state_dict()
+    engine.close()
+    other = make_model("buffers", seed=3)
+    layer = next(m for m in other.modules() if hasattr(m, "scale"))
+    layer.register_buffer("cache", torch.full((4,), 7.0), persistent=False)
+    fresh, _, _, _ = infinity.initialize(model=other, config=cfg)
+    fresh.load_checkpoint(str(tmp_path))
+    loaded = fresh.full_state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    assert torch.equal(layer.cache, torch.full((4,), 7.0))
+    fresh.close()
+
+
 def test_truncated_file_is_named_and_state_untouched(tmp_path):
     engine, folder = _saved_engine(tmp_path)
     before = engine.full_state_dict()

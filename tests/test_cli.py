@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from dist import run_distributed
 
@@ -217,8 +218,6 @@ def test_infinitys_own_warnings_print_as_one_note_line_and_others_as_python_prin
     """A stale swap file's removal printed as ".../storage/mover.py:59: UserWarning: ..." in a run's output."""
     import warnings
 
-    import pytest
-
     import infinity
     from infinity.cli import _notices_as_lines
 
@@ -239,3 +238,24 @@ def test_a_run_whose_loss_turns_nan_stops_and_latest_keeps_the_last_finite_check
     step = int(re.search(r"the loss is nan at step (\d+): training diverged", err).group(1))
     assert (tmp_path / "latest").read_text() == f"global_step{step - 1}"
     assert not (tmp_path / f"global_step{step}").exists()
+
+
+def test_a_finite_loss_with_a_nan_gradient_norm_stops_before_its_weights_are_saved():
+    """The loss is taken before the step's update: a nan gradient (a norm at zero, a bf16 overflow) wrote nan
+    weights that the step's save kept as `latest`, exit 0. The clipped norm, the same on every rank, says so."""
+    from types import SimpleNamespace
+
+    from infinity.cli.train import _stop_if_diverged
+    from infinity.config import ConfigError
+
+    def engine(norm, dtype=torch.float32):
+        return SimpleNamespace(get_global_grad_norm=lambda: norm, compute_dtype=dtype)
+
+    for norm in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=f"the gradient norm is {norm} at step 3: training diverged"):
+            _stop_if_diverged(engine(norm), 2.5, 3)
+    with pytest.raises(ConfigError, match="the loss is nan at step 3.*start again with a lower --lr"):
+        _stop_if_diverged(engine(None, torch.bfloat16), float("nan"), 3)
+    _stop_if_diverged(engine(1.0), 2.5, 3)  # finite: trains on
+    _stop_if_diverged(engine(None), 2.5, 3)  # no norm taken (clipping off): the loss alone
+    _stop_if_diverged(engine(float("inf"), torch.float16), 2.5, 3)  # fp16 skips the overflowing step

@@ -185,7 +185,7 @@ def _hold_lock_in_another_process(folder: Path):
 
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom infinity.engine.checkpoint_folder import hold_save_dir\n"
-        "hold_save_dir(Path(sys.argv[1]))\nprint('held', flush=True)\ntime.sleep(600)\n"
+        "hold_save_dir(Path(sys.argv[1]), 'other run')\nprint('held', flush=True)\ntime.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -218,3 +218,47 @@ def test_a_second_live_run_saving_into_the_same_folder_is_refused_and_the_first_
         holder.wait()
     assert main([*TINY, "--steps", "2", "--save-dir", str(ck)]) == 0  # the kernel dropped the dead run's lock
     assert (ck / "latest").read_text().strip() == "global_step2"
+
+
+def test_the_save_folder_lock_ends_with_the_run_not_with_its_forked_workers_nor_a_failed_start(tmp_path):
+    """A forked child (a DataLoader worker) shared the lock, so it outlived the run that took it; an in-process
+    `infinity train` that failed before its engine existed kept it until the process exited."""
+    import os
+    import signal
+
+    from infinity.engine.checkpoint_folder import hold_save_dir, release_save_dirs
+
+    ck = tmp_path / "ck"
+    hold_save_dir(ck, "test")
+    child = os.fork()
+    if child == 0:  # a worker that lives on
+        signal.pause()
+        os._exit(0)
+    try:
+        release_save_dirs("test")
+        holder = _hold_lock_in_another_process(ck)  # taken by another run while the worker lives
+        holder.kill()
+        holder.wait()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    (tmp_path / "a_file").write_text("")
+    bad = [*TINY, "--steps", "1", "--save-dir", str(ck), "--nvme-path", str(tmp_path / "a_file")]
+    assert main([*bad, "--offload", "nvme"]) == ExitCode.PATH  # refused after the lock was taken
+    holder = _hold_lock_in_another_process(ck)  # ...and let go
+    holder.kill()
+    holder.wait()
+
+
+def test_a_new_save_folder_is_locked_before_training_not_at_the_first_save(tmp_path, capsys):
+    """Two runs started together on a folder that did not exist: the second trained to the end and was refused
+    at its only save, losing the run."""
+    ck = tmp_path / "fresh"
+    holder = _hold_lock_in_another_process(ck)
+    try:
+        assert main([*TINY, "--steps", "2", "--save-dir", str(ck)]) == ExitCode.CHECKPOINT
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert "another live run" in err and "step" not in capsys.readouterr().out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None, may_restart: bool = False) -> int:
 def _notices_as_lines(command: str) -> Iterator[None]:
     """infinity's own warnings print as one line, "infinity train: note: ...", not as a source path, a line
     number and "UserWarning:" (a stale swap file removed, a key with no effect); others' as Python prints them."""
-    package = str(Path(__file__).resolve().parents[1])
+    package = str(Path(__file__).resolve().parents[1]) + os.sep
     python_shows = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:

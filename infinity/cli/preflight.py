@@ -65,21 +65,18 @@ def prepare_nvme_folders(cfg: InfinityConfig, from_flag: bool) -> None:
             raise CommandError(ExitCode.PATH, f"{what} '{path}' {why}: choose a writable folder for the swap files")
 
 
+SAVE_DIR_HOLDER = "infinity train"  # the command's hold on --save-dir, let go when the command ends
+
+
 def check_save_dir(save_dir: str, resuming: bool) -> None:
     """Refuse a --save-dir that is a file, that checkpoints could not be written to, that holds an earlier
     run's checkpoints when this run starts afresh (its saves would replace them), or that another live run
-    saves into (rank 0 takes an existing folder's writer lock now, not at the first save), before training."""
+    saves into (rank 0 creates it and takes its writer lock now, not at the first save), before training."""
     from infinity.engine.checkpoint_folder import hold_save_dir, list_checkpoints
 
     path = Path(save_dir)
     if path.exists() and not path.is_dir():
         raise CommandError(ExitCode.PATH, f"--save-dir '{path}' is a file, not a folder: name a folder for checkpoints")
-    earlier = list_checkpoints(path)
-    if earlier and not resuming:
-        raise ConfigError(
-            f"--save-dir '{path}' holds checkpoints of an earlier run ({', '.join(earlier[-3:])}); a new run would "
-            "replace them and move 'latest': add --resume to continue that run, or choose another --save-dir"
-        )
     existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
     why = _unwritable(existing) if existing is not None else ""
     if why:
@@ -88,8 +85,14 @@ def check_save_dir(save_dir: str, resuming: bool) -> None:
             ExitCode.PATH,
             f"--save-dir '{path}' {why if not where else 'cannot be created'}{where}: choose a writable folder",
         )
-    if os.environ.get("RANK", "0") == "0" and path.is_dir():  # a new folder is locked by the first save
-        hold_save_dir(path)
+    if os.environ.get("RANK", "0") == "0":  # before training, not at its first save (an empty folder is nothing)
+        hold_save_dir(path, SAVE_DIR_HOLDER)
+    earlier = list_checkpoints(path)
+    if earlier and not resuming:
+        raise ConfigError(
+            f"--save-dir '{path}' holds checkpoints of an earlier run ({', '.join(earlier[-3:])}); a new run would "
+            "replace them and move 'latest': add --resume to continue that run, or choose another --save-dir"
+        )
 
 
 def check_host_budget(cfg: InfinityConfig, model_name: str, block_size: int, world_size: int) -> None:

@@ -304,14 +304,36 @@ def run_train(args: argparse.Namespace) -> int:
         raise ConfigError("--resume-tag needs the tag of a checkpoint in --save-dir (e.g. global_step100), got ''")
     if args.resume_fallback and not (args.resume or args.resume_tag):
         raise ConfigError("--resume-fallback applies to a resume: add --resume (or --resume-tag TAG)")
+    from infinity.cli.preflight import SAVE_DIR_HOLDER
+    from infinity.engine.checkpoint_folder import release_save_dirs
+
     torch.set_flush_denormal(True)
-    engine, choice, data, heartbeat = _start(args)
+    try:
+        engine, choice, data, heartbeat = _start(args)
+    except BaseException:
+        release_save_dirs(SAVE_DIR_HOLDER)  # an in-process caller (a notebook) holds no folder after the run
+        raise
     try:
         return _train(engine, choice, data, args)
     finally:
         engine.close()  # the swap files are removed; a later run in this process may use the same folder
+        release_save_dirs(SAVE_DIR_HOLDER)
         if heartbeat is not None:
             heartbeat.stop()
+
+
+def _stop_if_diverged(engine, loss: float, step: int) -> None:
+    """ConfigError before the step's weights are saved when its loss, or the gradient norm it stepped with (taken
+    where clipping is on, as in the default job), is nan or inf; not in fp16, which skips overflowing steps. The
+    loss and the norm are the same on every rank, so every rank stops."""
+    norm = engine.get_global_grad_norm()
+    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
+    if (math.isfinite(loss) and (norm is None or math.isfinite(norm))) or engine.compute_dtype is torch.float16:
+        return
+    raise ConfigError(
+        f"{what} at step {step}: training diverged, and its weights are not saved (the checkpoints in --save-dir, "
+        "if any, are kept): start again with a lower --lr (a resume keeps the checkpoint's schedule)"
+    )
 
 
 def _loop(engine, choice, data, args: argparse.Namespace, start_step: int, progress, losses: list[float], save, say):
@@ -326,11 +348,7 @@ def _loop(engine, choice, data, args: argparse.Namespace, start_step: int, progr
         losses.append(_mean_over_ranks(engine, step_loss))
         if progress is not None:
             progress.update(step, losses[-1], engine.bytes_moved, engine.get_lr()[0])
-        if not math.isfinite(losses[-1]) and engine.compute_dtype is not torch.float16:  # fp16 skips overflows
-            raise ConfigError(
-                f"the loss is {losses[-1]} at step {step}: training diverged, and its weights are not saved (the "
-                "checkpoints in --save-dir, if any, are kept): lower --lr, then --resume or start again"
-            )
+        _stop_if_diverged(engine, losses[-1], step)
         if args.save_every and step % args.save_every == 0 and step != args.steps:
             folder = save()
             if progress is not None:

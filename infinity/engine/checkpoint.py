@@ -166,7 +166,7 @@ def save_checkpoint(
     final = root / tag
     staging = root / f".{tag}.tmp"
     if comm.rank == 0:
-        begin_staging(root, staging)
+        begin_staging(root, staging, holder=shards)  # the engine's store: released by engine.close()
     comm.barrier("checkpoint staging folder")
     # Shards are specs, read from their tier (NVMe included) one at a time while the file is written,
     # so a save holds one shard's state in host memory, not the rank's.
@@ -286,7 +286,8 @@ def load_checkpoint(
                 shards.sync_resident(flat)
             buffers = dict(module.named_buffers())
             for key, value in model_states["buffers"].items():
-                buffers[key].copy_(model_reader.load(value))
+                if key in buffers and tuple(buffers[key].shape) == tuple(value.shape):  # see _check_same_buffers
+                    buffers[key].copy_(model_reader.load(value))
         client_state = model_reader.materialize(model_states["client_state"])
         saved = RunState(
             global_steps=model_states["global_steps"],
@@ -300,12 +301,24 @@ def load_checkpoint(
     return folder, client_state, saved
 
 
+def _persistent_buffers(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of `module`'s buffers that its state_dict holds (not those registered persistent=False)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: tuple(b.shape)
+        for prefix, m in module.named_modules()
+        for name, b in m._buffers.items()
+        if b is not None and name not in m._non_persistent_buffers_set
+    }
+
+
 def _check_same_buffers(module: nn.Module, folder: Path, model_states: dict[str, Any]) -> None:
-    """RunMismatch naming a buffer the checkpoint and the module do not share, or share in another shape,
-    before anything is assigned (found after the weights, it left a model half loaded)."""
-    ours = {name: tuple(b.shape) for name, b in module.named_buffers()}
+    """RunMismatch naming a state_dict buffer the checkpoint and the module do not share, or share in another
+    shape, before anything is assigned (found after the weights, it left a model half loaded). Non-persistent
+    buffers (position ids, caches) are loaded where name and shape match, and otherwise keep their values."""
+    ours = _persistent_buffers(module)
     theirs = {name: tuple(t.shape) for name, t in model_states.get("buffers", {}).items()}
-    for name in sorted(set(ours) | set(theirs)):
+    keys = set(model_states.get("state_dict_keys", theirs))  # the saved module's state_dict
+    for name in sorted(set(ours) | (set(theirs) & keys)):
         if ours.get(name) != theirs.get(name):
             where = (
                 "is not in this model" if name not in ours

@@ -88,19 +88,32 @@ def check_tag(root: Path, tag: str) -> None:
         )
 
 
-_held_locks: dict[Path, int] = {}  # save folders whose writer lock this process holds: path -> descriptor
+_held_locks: dict[Path, tuple[int, set[object]]] = {}  # folders this process holds: descriptor, holders
 
 
-def hold_save_dir(root: Path) -> None:
-    """Take `root`'s writer lock for the rest of this process or until `release_save_dirs` (rank 0; idempotent),
-    or raise CheckpointError naming the live run that holds it: two runs saving into one folder replace each
+def _close_held_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the parent's open folders, and with them the locks: it
+    closes its copies, so that the lock ends with the run, not with the last worker (never LOCK_UN: that
+    would unlock the parent too)."""
+    for fd, _ in _held_locks.values():
+        os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def hold_save_dir(root: Path, holder: object) -> None:
+    """Take `root`'s writer lock for `holder` (an engine's store, the CLI run) until `release_save_dirs`, or
+    raise CheckpointError naming the live run that holds it: two runs saving into one folder replace each
     other's checkpoints and staging folders. The lock is a flock on the folder itself (nothing is written);
-    the kernel drops it when the process ends, however it ends. Where the file system cannot lock a folder
-    (some network file systems), nothing is checked."""
+    the kernel drops it when the process ends, however it ends. Holders in one process share it. A file
+    system that cannot lock a folder checks nothing; one that locks it node-locally (NFS) checks this node."""
     import fcntl
 
-    key = root.absolute()
+    key = root.resolve()
     if key in _held_locks:
+        _held_locks[key][1].add(holder)
         return
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -110,40 +123,45 @@ def hold_save_dir(root: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _lock_holder(os.fstat(fd).st_ino)
+        holder_pid = _lock_holder(os.fstat(fd))
         os.close(fd)
         raise CheckpointError(
-            f"'{root}' is the save folder of another live run (pid {holder}): two runs saving there replace each "
-            "other's checkpoints; give each run its own save_dir (--save-dir)"
+            f"'{root}' is the save folder of another live run (pid {holder_pid}): two runs saving there replace "
+            "each other's checkpoints; give each run its own save_dir (--save-dir)"
         ) from None
     except OSError:  # this file system cannot lock a folder
         os.close(fd)
         return
-    _held_locks[key] = fd
+    _held_locks[key] = (fd, {holder})
 
 
-def _lock_holder(inode: int) -> str:
-    """The pid holding a flock on `inode`, from /proc/locks ("?" where it cannot be told)."""
+def _lock_holder(st: os.stat_result) -> str:
+    """The pid holding a flock on the file of `st`, from /proc/locks ("?" where it cannot be told)."""
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         for line in Path("/proc/locks").read_text().splitlines():
             fields = line.split()
-            if "FLOCK" in fields and fields[-3].rsplit(":", 1)[-1] == str(inode):
+            if "FLOCK" in fields and "->" not in fields and fields[-3] == where:
                 return fields[-4]
     except (OSError, IndexError):
         pass
     return "?"
 
 
-def release_save_dirs() -> None:
-    """Drop every writer lock this process holds (`engine.close()`: the run is over)."""
-    while _held_locks:
-        os.close(_held_locks.popitem()[1])
+def release_save_dirs(holder: object | None = None) -> None:
+    """`holder` lets go of the folders it holds (all holders: None); a folder no one holds is unlocked."""
+    for key, (fd, holders) in list(_held_locks.items()):
+        holders.discard(holder) if holder is not None else holders.clear()
+        if not holders:
+            os.close(fd)
+            del _held_locks[key]
 
 
-def begin_staging(root: Path, staging: Path) -> None:
-    """Create the empty staging folder `staging` in `root` (rank 0), registered for removal until published."""
+def begin_staging(root: Path, staging: Path, holder: object) -> None:
+    """Create the empty staging folder `staging` in `root` (rank 0), registered for removal until published;
+    `holder` takes the folder's writer lock (`hold_save_dir`)."""
     _remove_unpublished()
-    hold_save_dir(root)
+    hold_save_dir(root, holder)
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)

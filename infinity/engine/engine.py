@@ -389,7 +389,7 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat = None
-            release_save_dirs()  # another run may save into this one's folders now
+            release_save_dirs(self.shards)  # another run may save into this engine's folders now
 
     destroy = close  # DeepSpeed's name
 

@@ -19,8 +19,7 @@ from infinity.engine.checkpoint_format import order_aliases_after_sources, write
 from infinity.engine.state_io import iter_full_state
 from infinity.models.weight_files import TensorSpec, write_safetensors_file
 from infinity.shards.store import ShardStore
-from infinity.storage.disk_space import free_bytes
-from infinity.storage.errors import StorageError
+from infinity.storage.disk_space import write_failure
 
 DEFAULT_FILENAME = "pytorch_model.bin"
 
@@ -82,14 +81,10 @@ def write_16bit_model(shards: ShardStore, module: nn.Module, path: str | os.Path
             write_torch_file(partial, specs, produce)
     except BaseException as exc:
         partial.unlink(missing_ok=True)  # inside a published checkpoint it would stay for good
-        if not isinstance(exc, OSError) or isinstance(exc, StorageError):  # a swap read's error says it all
+        failure = write_failure(exc, "the 16-bit model", path, "save to another folder")
+        if failure is exc:
             raise
-        raise OSError(
-            exc.errno,
-            f"cannot write the 16-bit model '{path}': {exc.strerror or exc} ({free_bytes(str(path.parent))}); free "
-            "space there or save to another folder",
-            str(path),
-        ) from exc
+        raise failure from exc
     for _ in named:  # the rest (non-persistent buffers) is gathered by the other ranks too
         pass
     os.replace(partial, path)

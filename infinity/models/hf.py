@@ -26,8 +26,7 @@ from torch import nn
 from infinity.config import ConfigError
 from infinity.models.folder_checksums import CHECKSUMS_FILE, verify_folder_checksums, write_folder_checksums
 from infinity.models.meta import parameters_on_meta
-from infinity.storage.disk_space import free_bytes
-from infinity.storage.errors import StorageError
+from infinity.storage.disk_space import write_failure
 
 CONFIG_FILE = "config.json"
 
@@ -204,14 +203,10 @@ def save_hf_folder(engine, hf: HFFolder, out: str | os.PathLike, max_shard_bytes
         write_folder_checksums(staging)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)  # the earlier folder at `out`, if any, is untouched
-        if not isinstance(exc, OSError) or isinstance(exc, StorageError):
+        failure = write_failure(exc, "the Hugging Face folder", out, "choose another --save-hf folder")
+        if failure is exc:
             raise
-        raise OSError(
-            exc.errno,
-            f"cannot write the Hugging Face folder '{out}': {exc.strerror or exc} ({free_bytes(str(out.parent))}); "
-            "free space there or choose another --save-hf folder",
-            str(out),
-        ) from exc
+        raise failure from exc
     old = out.with_name(f".{out.name}.old")
     if out.exists():  # an earlier Hugging Face folder (`check_hf_output`): replaced once the new one is complete
         shutil.rmtree(old, ignore_errors=True)

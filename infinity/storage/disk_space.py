@@ -26,6 +26,17 @@ def free_bytes(path: str) -> str:
         return "free space unknown"
 
 
+def write_failure(exc: BaseException, what: str, path: str | os.PathLike, instead: str) -> BaseException:
+    """What to raise for `exc`, which stopped writing `what` at `path`: an OSError of the write itself (a full
+    disk, permissions) names them and the free space beside `path`, and suggests `instead`; anything else
+    (a swap read's StorageError, an interrupt) as it is."""
+    if not isinstance(exc, OSError) or isinstance(exc, StorageError):
+        return exc
+    where = os.path.dirname(os.path.abspath(path))
+    why = f"{exc.strerror or exc} ({free_bytes(where)})"
+    return OSError(exc.errno, f"cannot write {what} '{path}': {why}; free space there or {instead}", str(path))
+
+
 def check_free_space(nvme_path: str, needed_bytes: int, what: str = "the swap files") -> None:
     """Raise `StorageError` (ENOSPC) if `nvme_path` has less than `needed_bytes` free, saying both figures."""
     if not os.path.isdir(nvme_path):
