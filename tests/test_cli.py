@@ -259,3 +259,19 @@ def test_a_finite_loss_with_a_nan_gradient_norm_stops_before_its_weights_are_sav
     _stop_if_diverged(engine(1.0), 2.5, 3)  # finite: trains on
     _stop_if_diverged(engine(None), 2.5, 3)  # no norm taken (clipping off): the loss alone
     _stop_if_diverged(engine(float("inf"), torch.float16), 2.5, 3)  # fp16 skips the overflowing step
+
+
+def test_lr_overrides_a_config_files_learning_rate_and_its_schedules_peak(tmp_path):
+    """--lr with --config filled only an "auto" lr: a number in the file won, silently (the help calls --lr the
+    peak learning rate, and --offload, --dtype override the file)."""
+    from infinity.cli import _parser
+    from infinity.cli.train import build_config
+
+    path = tmp_path / "ds.json"
+    scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10}}
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "scheduler": scheduler}))
+    base = ["train", "--config", str(path), "--model", "tiny"]
+    cfg = build_config(_parser().parse_args([*base, "--lr", "0.02"]), 32)
+    assert cfg.optimizer.params["lr"] == 0.02 and cfg.scheduler.params["warmup_max_lr"] == 0.02
+    cfg = build_config(_parser().parse_args(base), 32)  # without the flag the file's values stand
+    assert cfg.optimizer.params["lr"] == 3e-4 and cfg.scheduler.params["warmup_max_lr"] == 3e-4

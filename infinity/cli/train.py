@@ -133,6 +133,19 @@ def _with_lr(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return raw
 
 
+def _with_peak_lr(cfg: InfinityConfig, lr: float) -> InfinityConfig:
+    """A config file's optimizer lr, and its schedule's peak (`warmup_max_lr`) where it names one, set to --lr:
+    the flag overrides the file as --offload and --dtype do (it only filled an "auto" lr, silently otherwise)."""
+    updates: dict[str, Any] = {}
+    if cfg.optimizer is not None:
+        updates["optimizer"] = dataclasses.replace(cfg.optimizer, params={**cfg.optimizer.params, "lr": lr})
+    if cfg.scheduler is not None and "warmup_max_lr" in cfg.scheduler.params:
+        updates["scheduler"] = dataclasses.replace(
+            cfg.scheduler, params={**cfg.scheduler.params, "warmup_max_lr": lr}
+        )
+    return dataclasses.replace(cfg, **updates)
+
+
 def _with_block_classes(cfg: InfinityConfig, classes: tuple[str, ...] | None, from_file: bool) -> InfinityConfig:
     """A model's own layer classes as its blocks, unless a config file names some."""
     if classes is None or (from_file and cfg.zero_optimization.block_classes):
@@ -189,6 +202,8 @@ def build_config(
     `block_classes` (a model's own layers) replace the default's unless --config names some."""
     raw = args.config if args.config else _with_lr(copy.deepcopy(DEFAULT_CONFIG), args)
     cfg = _with_block_classes(load_config(raw), block_classes, from_file=bool(args.config))
+    if args.config and getattr(args, "lr", None) is not None:
+        cfg = _with_peak_lr(cfg, args.lr)
     cfg = _with_profile(_with_dtype(_with_offload(cfg, args.offload, args.nvme_path), args.dtype), args)
     return resolve_auto(cfg, hidden_size, auto_values(args))
 
