@@ -184,7 +184,7 @@ def _hold_lock_in_another_process(folder: Path):
     import sys
 
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom infinity.engine.checkpoint_folder import hold_save_dir\n"
+        "import sys, time\nfrom pathlib import Path\nfrom infinity.engine.save_dir_lock import hold_save_dir\n"
         "hold_save_dir(Path(sys.argv[1]), 'other run')\nprint('held', flush=True)\ntime.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
@@ -226,7 +226,7 @@ def test_the_save_folder_lock_ends_with_the_run_not_with_its_forked_workers_nor_
     import os
     import signal
 
-    from infinity.engine.checkpoint_folder import hold_save_dir, release_save_dirs
+    from infinity.engine.save_dir_lock import hold_save_dir, release_save_dirs
 
     ck = tmp_path / "ck"
     hold_save_dir(ck, "test")

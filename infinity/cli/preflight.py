@@ -72,7 +72,8 @@ def check_save_dir(save_dir: str, resuming: bool) -> None:
     """Refuse a --save-dir that is a file, that checkpoints could not be written to, that holds an earlier
     run's checkpoints when this run starts afresh (its saves would replace them), or that another live run
     saves into (rank 0 creates it and takes its writer lock now, not at the first save), before training."""
-    from infinity.engine.checkpoint_folder import hold_save_dir, list_checkpoints
+    from infinity.engine.checkpoint_folder import list_checkpoints
+    from infinity.engine.save_dir_lock import hold_save_dir
 
     path = Path(save_dir)
     if path.exists() and not path.is_dir():

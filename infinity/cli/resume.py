@@ -7,6 +7,8 @@ the newest checkpoint whose files all verify is offered by name in the one-line 
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,3 +71,28 @@ def resume(engine, save_dir: str, tag: str | None, fallback: bool, say: Callable
         )
     say(f"cannot resume from the checkpoint named: {reason}; resuming from the newest complete one, '{newest}'")
     return newest, _load(engine, newest_folder)
+
+
+def resume_run(engine, data, args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    """`infinity train --resume` / `--resume-tag`: load the checkpoint (`resume`) and the batch stream's position
+    into `data`; its name. A new --lr is not applied (the checkpoint's schedule continues): a note says so."""
+    tag, client = resume(engine, args.save_dir, args.resume_tag, args.resume_fallback, say)
+    if "data" not in client:
+        raise CheckpointError(
+            f"checkpoint '{tag}' in '{args.save_dir}' was not written by `infinity train` (it has no batch-stream "
+            "position); load it with engine.load_checkpoint in your own loop"
+        )
+    try:
+        data.load_state_dict(client["data"])
+    except ValueError as exc:
+        raise CheckpointError(
+            f"checkpoint '{tag}' in '{args.save_dir}' was written by a run with another batch stream: {exc}; "
+            "resume with the same --model, --data, --seq, --seed and global batch (train_micro_batch_size_per_gpu x "
+            "gradient_accumulation_steps x ranks; at another number of ranks, with elastic_checkpoint, change the "
+            "micro batch so that the product stays)"
+        ) from exc
+    saved_lrs = getattr(engine.lr_scheduler, "base_lrs", None)
+    if getattr(args, "lr", None) is not None and saved_lrs and not math.isclose(saved_lrs[0], args.lr):
+        say(f"note: --lr {args.lr:g} is not applied on resume: the checkpoint's schedule continues (peak lr "
+            f"{saved_lrs[0]:g}), as in DeepSpeed; start a new run to change it")  # fmt: skip
+    return tag

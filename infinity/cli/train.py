@@ -284,33 +284,6 @@ def _describe(engine, name: str, seq: int) -> str:
     )
 
 
-def _resume(engine, data, args: argparse.Namespace, say) -> str:
-    """Load the checkpoint `--resume` / `--resume-tag` names (see `infinity.cli.resume`); its name."""
-    from infinity.cli.resume import resume
-    from infinity.engine.checkpoint import CheckpointError
-
-    tag, client = resume(engine, args.save_dir, args.resume_tag, args.resume_fallback, say)
-    if "data" not in client:
-        raise CheckpointError(
-            f"checkpoint '{tag}' in '{args.save_dir}' was not written by `infinity train` (it has no batch-stream "
-            "position); load it with engine.load_checkpoint in your own loop"
-        )
-    try:
-        data.load_state_dict(client["data"])
-    except ValueError as exc:
-        raise CheckpointError(
-            f"checkpoint '{tag}' in '{args.save_dir}' was written by a run with another batch stream: {exc}; "
-            "resume with the same --model, --data, --seq, --seed and global batch (train_micro_batch_size_per_gpu x "
-            "gradient_accumulation_steps x ranks; at another number of ranks, with elastic_checkpoint, change the "
-            "micro batch so that the product stays)"
-        ) from exc
-    saved_lrs = getattr(engine.lr_scheduler, "base_lrs", None)
-    if getattr(args, "lr", None) is not None and saved_lrs and not math.isclose(saved_lrs[0], args.lr):
-        say(f"note: --lr {args.lr:g} is not applied on resume: the checkpoint's schedule continues (peak lr "
-            f"{saved_lrs[0]:g}), as in DeepSpeed; start a new run to change it")  # fmt: skip
-    return tag
-
-
 def run_train(args: argparse.Namespace) -> int:
     """Train per `args`; returns the process exit code. User errors raise (see `infinity.cli.faults`)."""
     if args.steps < 1 or args.save_every < 0:
@@ -320,7 +293,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume_fallback and not (args.resume or args.resume_tag):
         raise ConfigError("--resume-fallback applies to a resume: add --resume (or --resume-tag TAG)")
     from infinity.cli.preflight import SAVE_DIR_HOLDER
-    from infinity.engine.checkpoint_folder import release_save_dirs
+    from infinity.engine.save_dir_lock import release_save_dirs
 
     torch.set_flush_denormal(True)
     try:
@@ -374,10 +347,11 @@ def _loop(engine, choice, data, args: argparse.Namespace, start_step: int, progr
 def _train(engine, choice, data, args: argparse.Namespace) -> int:
     from infinity.cli.jobs import save_hf
     from infinity.cli.progress import Progress
+    from infinity.cli.resume import resume_run
 
     rank = engine.comm.rank
     say = print if rank == 0 else (lambda *a, **k: None)
-    resumed = _resume(engine, data, args, say) if args.resume or args.resume_tag else None
+    resumed = resume_run(engine, data, args, say) if args.resume or args.resume_tag else None
     start_step = engine.global_steps
     if resumed is not None:
         say(f"resumed from {args.save_dir} ({resumed}) at step {start_step}")

@@ -37,13 +37,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from infinity.engine.checkpoint_errors import CheckpointError, RunMismatch
 from infinity.engine.checkpoint_files import CheckpointFiles
 from infinity.engine.checkpoint_folder import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
-    CheckpointError,
-    RunMismatch,
     begin_staging,
     check_tag,
     list_checkpoints,

@@ -22,7 +22,6 @@ from infinity.comm import CommGroup, comm_device, init_distributed
 from infinity.comm.heartbeat import end_on_silence, start_heartbeat
 from infinity.comm.process_group import group_given_by_caller
 from infinity.config import InfinityConfig, load_config, no_effect_notices, resolve_auto, resolve_batch_sizes
-from infinity.engine.checkpoint_folder import release_save_dirs
 from infinity.engine.grad_reduction import GradReducer, GradScaling
 from infinity.engine.grad_replay import GradientReplay, recompute_gradients
 from infinity.engine.host_memory import huge_pages_notice, keep_freed_blocks, return_freed_heap
@@ -38,6 +37,7 @@ from infinity.engine.memory_plan import (
 from infinity.engine.param_groups import plan_groups
 from infinity.engine.partition_sharing import PartitionSharing
 from infinity.engine.readouts import EngineReadouts
+from infinity.engine.save_dir_lock import release_save_dirs
 from infinity.engine.setup import (
     apply_process_settings,
     check_model,
