@@ -96,8 +96,8 @@ def test_unused_parameters_are_let_through_by_default_and_the_rest_trains_like_p
     results = run_distributed(train_with_unused, 2, True, 3)
     ref_losses, ref_state, _ = plain_with_unused(3, 4)
     assert mean_losses(results) == pytest.approx(ref_losses, rel=1e-5)
-    used = {k: v for k, v in ref_state.items() if not k.startswith("unused.")}
-    assert_weights_close({k: results[0]["state"][k] for k in used}, used)
+    assert_weights_close(results[0]["state"], ref_state)  # the unused layer too: no step leaves it decayed
+    assert any(k.startswith("unused.") for k in ref_state)
 
 
 # -- seed --------------------------------------------------------------------------------------------------

@@ -15,7 +15,15 @@ import pytest
 import torch
 from device_check import DeviceMixCheck
 from dist import run_distributed
-from harness import assert_matches_plain_pytorch, assert_weights_close, config, train_on_rank, train_steps
+from harness import (
+    assert_matches_plain_pytorch,
+    assert_matches_reference,
+    assert_weights_close,
+    config,
+    reference_for,
+    train_on_rank,
+    train_steps,
+)
 from toy_models import batches, dropout_gpt, make_model
 
 import infinity
@@ -86,6 +94,19 @@ def test_clipped_nvme_steps_recompute_gradients_on_the_gpu_as_plain_pytorch(tmp_
     results = _run(tmp_path, world, "nvme", dtype, 1, host_budget=256 << 20)
     _check_against_pytorch_on_the_gpu(results, 1, 1.0, dtype)
     assert all(r["replay_rejected"] == {} and r["replayed"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_experts_without_a_gradient_are_not_stepped_on_the_gpu(tmp_path, world, offload):
+    """An expert no row reached gets no step (`optim.param_steps`), with the presence of each parameter's
+    gradient all-reduced over NCCL where there are several GPUs."""
+    cfg = config("experts", micro_bs=MICRO_BS, block_classes=("ExpertLayer",), offload_param=offload,
+                 offload_optimizer=offload, nvme_path=str(tmp_path))  # fmt: skip
+    nccl = {"timeout_s": 300, "backend": "nccl", "init_process_group": world > 1}
+    results = run_distributed(train_on_rank, world, "experts", cfg, STEPS, MICRO_BS, **nccl)
+    ref = reference_for("experts", STEPS, MICRO_BS * world, device=torch.device("cuda", 0))
+    assert_matches_reference(results, ref.losses, ref.state)
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])

@@ -174,6 +174,48 @@ class FrozenBranchNet(nn.Module):
         return out, None if targets is None else F.mse_loss(out, targets)
 
 
+class ExpertLayer(nn.Module):
+    """A block of three experts: each row goes through the expert its route names. An expert no row of a batch
+    is routed to is not called, so it gets no gradient in that step, while the others in the block do."""
+
+    def __init__(self, dim: int, n_experts: int = 3) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(dim, dim) for _ in range(n_experts)])
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (route == i).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]))
+        return torch.tanh(x + out)
+
+
+def expert_route(x: torch.Tensor) -> torch.Tensor:
+    """Each row's expert, from its first input feature (the data alone decides, on every side alike)."""
+    return (x[:, 0].float() * 2).floor().remainder(3).long()
+
+
+class ExpertNet(nn.Module):
+    """An input projection, two ExpertLayer blocks and a head; `pooler`, a root layer the loss never uses (as
+    a masked-LM loss leaves out BERT's pooler), gets no gradient ever."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 24)
+        self.layers = nn.ModuleList([ExpertLayer(24), ExpertLayer(24)])
+        self.pooler = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        route = expert_route(x)
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, route)
+        out = self.head(h)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
 class ReentrantLoRANet(LoRANet):
     """LoRANet with each block under torch.utils.checkpoint(use_reentrant=True); the same weights."""
 
@@ -249,7 +291,7 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return model
     models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP,
               "lora": LoRANet, "lora_reentrant": ReentrantLoRANet, "embed_outside": EmbedOutsideNet,
-              "lora_cross": CrossLoRANet, "frozen_branch": FrozenBranchNet}  # fmt: skip
+              "lora_cross": CrossLoRANet, "frozen_branch": FrozenBranchNet, "experts": ExpertNet}  # fmt: skip
     return models[kind]()
 
 

@@ -126,6 +126,11 @@ def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def _slot_steps(record) -> dict[str, list[int]]:
+    """A shard's per-parameter step counts where some parameters skipped steps (`optim.param_steps`)."""
+    return {} if record.slot_steps is None else {"slot_steps": list(record.slot_steps)}
+
+
 def _flat_metadata(shards: ShardStore, module: nn.Module) -> dict[str, Any]:
     """Per FlatParam: sizes, and each slot's fqn, every state-dict name of it (tied weights), shape, offset."""
     names = _names_by_param(module)
@@ -203,7 +208,8 @@ def save_checkpoint(
         "world_size": comm.world_size,
         "param_groups": run.param_groups,
         "shards": {
-            f.name: {**shard_specs(f), "step": record.step, "moments": fmt.name} for f, record in shards.records.items()
+            f.name: {**shard_specs(f), "step": record.step, "moments": fmt.name, **_slot_steps(record)}
+            for f, record in shards.records.items()
         },
     }
     current: dict[str, Any] = {}  # the one shard whose moments are in memory
@@ -278,7 +284,8 @@ def load_checkpoint(
                 master = files.read_range("master", flat.name, start, end)
                 if optimizer_too:
                     moments = files.shard_moments(flat.name, start, end)
-                    shards.assign(flat, master, moments, step=optim_states["shards"][flat.name]["step"])
+                    saved = optim_states["shards"][flat.name]
+                    shards.assign(flat, master, moments, step=saved["step"], slot_steps=saved.get("slot_steps"))
                 else:
                     shards.assign(flat, master)
             for flat in shards.flats:

@@ -26,9 +26,13 @@ class _InFlight:
     work: object | None
     final: bool
     start_ns: int
+    presence: torch.Tensor | None = None  # final: per parameter, 1 where some rank's gradient had it (`_presence`)
+    presence_work: object | None = None
 
     def arrived(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return (self.work is None or self.work.is_completed()) and (
+            self.presence_work is None or self.presence_work.is_completed()
+        )
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class GradReducer:
         self.scaling = scaling or GradScaling(1.0, float(comm.world_size))
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_elems = 0
+        self._present: dict[FlatParam, tuple[bool, ...]] = {}  # this rank's, over the step's micro-batches so far
 
     def reduce_block(self, block: ShardedBlock, final: bool) -> None:
         """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step."""
@@ -128,8 +133,25 @@ class GradReducer:
             else:
                 self.comm.all_reduce(full, what)
             shard = full[begin:end]
-        self._in_flight.append(_InFlight(flat, block_name, shard, full, work, final, start))
+        job = _InFlight(flat, block_name, shard, full, work, final, start)
+        self._presence(job)
+        self._in_flight.append(job)
         self._in_flight_elems += full.numel()
+
+    def _presence(self, job: _InFlight) -> None:
+        """Which of the flat's parameters got a gradient in this step on some rank: this rank's micro-batches'
+        are kept; at the final one a max over ranks goes with the reduction (a parameter is stepped where any
+        rank had its gradient, as one process with the whole batch would)."""
+        mine = job.flat.grad_presence()
+        earlier = self._present.pop(job.flat, None)
+        if earlier is not None:
+            mine = tuple(a or b for a, b in zip(earlier, mine, strict=True))
+        if not job.final:
+            self._present[job.flat] = mine
+            return
+        job.presence = torch.tensor(mine, dtype=torch.float32, device=self.comm.device)
+        job.presence_work = self.comm.all_reduce(job.presence, f"which parameters of {job.flat.name} got gradients",
+                                                 op="max", async_op=True)  # fmt: skip
 
     def _complete_oldest(self) -> None:
         job = self._in_flight.popleft()
@@ -140,6 +162,8 @@ class GradReducer:
             self.prof.stall(job.block, start, time.perf_counter_ns(), self.reduction.value)
         nbytes = job.full.numel() * job.full.element_size()
         self.prof.collective(self.reduction.value, job.block, nbytes, job.start_ns, time.perf_counter_ns())
+        if job.presence_work is not None:
+            job.presence_work.wait()  # (on a device: its stream waits; the values are read when the step asks)
         if self.scaling.after != 1.0:
             job.shard.div_(self.scaling.after)
-        self.optimizer.accumulate_grad(job.flat, job.shard, job.final)
+        self.optimizer.accumulate_grad(job.flat, job.shard, job.final, job.presence)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from infinity.optim.param_steps import any_used
 from infinity.optim.steppers import NativeStepper, Stepper, TorchFusedStepper
 from infinity.partition.flat_param import FlatParam
 from infinity.shards.policy import StepperKind, StepTiming
@@ -43,6 +44,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_in_backward = shards.placement.step_in_backward
         self.step_deferred = shards.placement.step_timing is StepTiming.BEFORE_NEXT_GATHER
         self._expecting_defer = False  # this backward's deferred step was prepared for (`expect_defer`)
+        self._replaying = False  # gradients handed over are recomputed for a deferred step (`replaying`)
         self.engine_step: Callable[[], None] | None = None  # what `step()` runs: set by the engine that owns it
         super().__init__([{**hyper, "params": []} for hyper in groups], defaults={})
         self.stepper: Stepper = (
@@ -53,12 +55,23 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def accumulate_grad(self, flat: FlatParam, shard_grad: torch.Tensor, final: bool = True) -> None:
-        """One micro-batch's reduced gradient shard (fp32, any device); `final` marks the last one before a step."""
+    def accumulate_grad(
+        self,
+        flat: FlatParam,
+        shard_grad: torch.Tensor,
+        final: bool = True,
+        present: tuple[bool, ...] | torch.Tensor | None = None,
+    ) -> None:
+        """One micro-batch's reduced gradient shard (fp32, any device); `final` marks the last one before a step;
+        `present`: which of the flat's parameters got a gradient (on any rank; a tensor: 1 where), if known."""
+        if present is not None and not self._replaying:
+            self.shards.note_grad_presence(flat, present)
         if final:
             self._final_grad_arrives()
         if final and self.step_in_backward:
-            self.stepper.arrive(flat, self.shards.final_grad(flat, shard_grad))
+            grad = self.shards.final_grad(flat, shard_grad)
+            if any_used(self.shards.grad_presence(flat)):  # else nothing to step (nor to keep)
+                self.stepper.arrive(flat, grad)
         else:
             self.shards.accumulate_grad(flat, shard_grad, final)
 
@@ -66,6 +79,8 @@ class ShardedAdam(torch.optim.Optimizer):
         """One rank, nothing to reduce: the parameters' gradients go straight into the accumulator when it
         is in the compute's memory (one pass), else through one flat copy; where only their norm is kept (the
         step recomputes them), it is read from them."""
+        if not self._replaying:
+            self.shards.note_grad_presence(flat, flat.grad_presence())
         acc = self.shards.grad_accumulator(flat)
         if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
             if final:
@@ -93,10 +108,12 @@ class ShardedAdam(torch.optim.Optimizer):
         """The gradients handed over meanwhile are recomputed for a deferred step (the engine's `GradientReplay`),
         not a backward's: no step is about to be deferred for them."""
         expecting, self._expecting_defer = self._expecting_defer, True
+        replaying, self._replaying = self._replaying, True
         try:
             yield
         finally:
             self._expecting_defer = expecting
+            self._replaying = replaying
 
     def _final_grad_arrives(self) -> None:
         """The first final gradient of a step whose step will be deferred: the stepper prepares for it."""
@@ -157,7 +174,9 @@ class ShardedAdam(torch.optim.Optimizer):
         Where the placement defers steps until the next gather, each shard is owed its step (with the
         hyper-parameters as they are now) and stepped when next needed; `order` is the order the next
         forward needs them in (default: the store's)."""
-        flats = [f for f, record in self.shards.records.items() if record.has_grad]
+        flats = [
+            f for f, record in self.shards.records.items() if record.has_grad and any_used(self.shards.grad_presence(f))
+        ]
         if self.shards.placement.step_timing is StepTiming.BEFORE_NEXT_GATHER:
             rank = {f: i for i, f in enumerate(order or flats)}
             flats.sort(key=lambda f: rank.get(f, len(rank)))

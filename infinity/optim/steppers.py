@@ -17,14 +17,22 @@ from typing import Any, Protocol
 import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim.param_steps import Run, count_step, partial_runs
 from infinity.partition.flat_param import FlatParam
 from infinity.profiler.format import OPTIMIZER_STEP_WAIT
 from infinity.profiler.null_writer import NullTraceWriter
-from infinity.shards import LentShard, Returned, ShardStore
+from infinity.shards import LentShard, Returned, ShardRecord, ShardStore
 from infinity.shards.moments import moment_format
 from infinity.storage import StorageError
 
 Hyper = Callable[[int], dict[str, Any]]  # a param group's lr, betas, eps and weight_decay, by index
+Presence = tuple[bool, ...] | None  # which parameters of a flat got a gradient this step (None: all)
+
+
+def step_presence(shards: ShardStore, flat: FlatParam) -> Presence:
+    """Which of `flat`'s parameters this step updates (`optim.param_steps`): those that got a gradient, where
+    the moments are fp32; every one where they round stochastically along the shard (bf16, 8-bit)."""
+    return shards.grad_presence(flat) if shards.placement.moments == "fp32" else None
 
 
 class Stepper(Protocol):
@@ -93,8 +101,11 @@ class TorchFusedStepper:
         if self._torch_opt is None:
             self._lend_all()
         active = [self._lent[f] for f in flats]
+        used = {lent.flat: step_presence(self.shards, lent.flat) for lent in active}
+        runs = {lent.flat: partial_runs(lent.flat, self.shards.records[lent.flat], used[lent.flat]) for lent in active}
         for lent in active:
-            lent.master.grad = lent.grad
+            # a flat stepped in runs (some parameters got no gradient) is left out of the one fused call
+            lent.master.grad = lent.grad if runs[lent.flat] is None else None
             # the store owns step counts (checkpoints restore them); torch adds one as it steps
             self._torch_opt.state[lent.master]["step"].fill_(self.shards.records[lent.flat].step)
         for group in self._torch_opt.param_groups:
@@ -109,9 +120,26 @@ class TorchFusedStepper:
         self._torch_opt.grad_scale = inverse
         self._torch_opt.step()
         for lent in active:
-            self.shards.records[lent.flat].step += 1
+            if runs[lent.flat] is not None:
+                self._step_runs(lent, runs[lent.flat], self.hyper(lent.flat.group_index), inverse)
+            count_step(lent.flat, self.shards.records[lent.flat], used[lent.flat])
             lent.master.grad = None
             self.shards.give_back(lent, param_written=False).finish()
+
+    def _step_runs(self, lent: LentShard, runs: list[Run], hyper: dict[str, Any], inverse: torch.Tensor | None) -> None:
+        """torch's fused AdamW over `runs` of the shard alone, each with its own step count."""
+        if not runs:  # this rank's part of the flat holds only parameters that got no gradient
+            return
+        views = [lent.master[r.lo : r.hi] for r in runs]
+        cls = torch.optim.AdamW if self.adamw_mode else torch.optim.Adam
+        opt = cls(views, **{k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay")}, fused=True)
+        for view, r in zip(views, runs, strict=True):
+            view.grad = lent.grad[r.lo : r.hi]
+            step = torch.full((), float(r.step - 1), dtype=torch.float32, device=view.device)
+            moments = {"exp_avg": lent.exp_avg[r.lo : r.hi], "exp_avg_sq": lent.exp_avg_sq[r.lo : r.hi]}
+            opt.state[view] = {"step": step, **moments}
+        opt.grad_scale = inverse
+        opt.step()
 
     def drain(self, raise_errors: bool = True) -> None:
         pass
@@ -148,12 +176,13 @@ class NativeStepper:
         self.prof = prof if prof is not None else NullTraceWriter()
         self.stepped_in_backward = 0  # shards stepped while backward was still running (a counter)
         self.stepped_when_needed = 0  # shards whose deferred step ran when they were next needed (a counter)
-        self._arrived: deque[tuple[FlatParam, torch.Tensor]] = deque()  # final gradients, state read ahead
+        self._arrived: deque[tuple[FlatParam, torch.Tensor, Presence]] = deque()  # final gradients, state read ahead
         self._returning: deque[Returned] = deque()  # stepped shards whose writes are in flight
         self._behind: deque[Returned] = deque()  # a finished deferred step's last writes, still in flight
         self._stepped: set[FlatParam] = set()  # stepped this step
         self._deferred: deque[FlatParam] = deque()  # owed a step, in the order they will be needed
         self._deferred_args: tuple[float, list[dict[str, Any]]] = (1.0, [])
+        self._deferred_used: dict[FlatParam, Presence] = {}  # the deferred step's parameters with a gradient
         self._last_deferred: list[FlatParam] = []  # the last deferred step's order: the next one's, most likely
         self._read_reserve = 0  # shards of the window kept for reads while stepped ones are written back
 
@@ -174,24 +203,26 @@ class NativeStepper:
     def arrive(self, flat: FlatParam, grad: torch.Tensor) -> None:
         """Read the shard's state ahead now; step the shards that arrived a few blocks ago."""
         self.shards.prefetch_state([flat], with_grad=False)
-        self._arrived.append((flat, grad))
+        self._arrived.append((flat, grad, step_presence(self.shards, flat)))
         # Half the window waits for its reads (they had a block of backward to arrive); the other half
         # of the window's host memory holds the stepped shards whose writes are still in flight.
         while len(self._arrived) > max(1, self.window // 2):
-            self._step_one(*self._arrived.popleft(), grad_scale=1.0)
+            flat, grad, used = self._arrived.popleft()
+            self._step_one(flat, grad, 1.0, used=used)
             self.stepped_in_backward += 1
 
     def step(self, flats: list[FlatParam], grad_scale: float) -> None:
         self.shards.finish_grad_writes()
         while self._arrived:  # stepped as their gradients arrived, but for the last few
-            self._step_one(*self._arrived.popleft(), grad_scale=grad_scale)
+            flat, grad, used = self._arrived.popleft()
+            self._step_one(flat, grad, grad_scale, used=used)
         todo = [f for f in flats if f not in self._stepped]
         self._reserve_reads(len(todo))
         for i, flat in enumerate(todo):
             # read ahead: the next shards' state comes in while this one is stepped, in what the window
             # leaves beside the shards still being written back
             self.shards.prefetch_state(todo[i : i + self._read_room()], with_grad=True)
-            self._step_one(flat, None, grad_scale)
+            self._step_one(flat, None, grad_scale, used=step_presence(self.shards, flat))
         self.drain()
         self._stepped.clear()
         self._read_reserve = 0
@@ -207,6 +238,7 @@ class NativeStepper:
         self._last_deferred = list(flats)
         self._reserve_reads(len(flats))
         self._deferred_args = (grad_scale, hyper)
+        self._deferred_used = {flat: step_presence(self.shards, flat) for flat in flats}
         for flat in flats:
             self.shards.owe(flat, self._settle_through)
         self._read_ahead_deferred()
@@ -226,7 +258,7 @@ class NativeStepper:
         while self._deferred:
             head = self._deferred.popleft()
             self.shards.discharge(head)
-            self._step_one(head, None, grad_scale, hyper, gather_next=True)
+            self._step_one(head, None, grad_scale, hyper, gather_next=True, used=self._deferred_used.pop(head, None))
             self.stepped_when_needed += 1
             if self._deferred:  # the room the step's finished writes left: the next shards' reads
                 self._read_ahead_deferred()
@@ -265,6 +297,7 @@ class NativeStepper:
         grad_scale: float,
         hyper: list[dict[str, Any]] | None = None,
         gather_next: bool = False,
+        used: Presence = None,
     ) -> None:
         if grad is None:  # a gradient to be recomputed is, before the wait for the state reads begins
             self.shards.prepare_grad(flat)
@@ -280,10 +313,12 @@ class NativeStepper:
             self.prof.stall(block, start, fetched, self._waited_on("nvme->host"))
         try:
             record = self.shards.records[flat]
-            record.step += 1
+            runs = partial_runs(flat, record, used)
+            count_step(flat, record, used)
             self._stepped.add(flat)
             group = hyper[flat.group_index] if hyper is not None else self.hyper(flat.group_index)
-            written = self._adam(lent, lent.grad if grad is None else grad, record.step, grad_scale, group)
+            grad = lent.grad if grad is None else grad
+            written = self._adam(lent, grad, record, runs, grad_scale, group)
         except BaseException:
             Returned(self.shards, lent, []).finish()
             raise
@@ -316,15 +351,34 @@ class NativeStepper:
     def _finish_oldest(self) -> None:
         self._finish(self._returning.popleft())
 
-    def _adam(self, lent: LentShard, grad: torch.Tensor, step: int, grad_scale: float, group: dict[str, Any]) -> bool:
-        """One native pass; returns whether it also wrote the new compute-dtype weights into `param_out`."""
+    def _adam(
+        self,
+        lent: LentShard,
+        grad: torch.Tensor,
+        record: ShardRecord,
+        runs: list[Run] | None,
+        grad_scale: float,
+        group: dict[str, Any],
+    ) -> bool:
+        """One native pass over the shard, or one per run (`param_steps.partial_runs`); returns whether it also
+        wrote the new compute-dtype weights into `param_out` (not with runs: the store copies the master)."""
+        if runs is not None:
+            for r in runs:
+                self._adam_pass(lent.master[r.lo : r.hi], grad[r.lo : r.hi], lent.exp_avg[r.lo : r.hi],
+                                lent.exp_avg_sq[r.lo : r.hi], None, r.step, grad_scale, group, {})  # fmt: skip
+            return False
         out = lent.param_out
         fused = out is not None and out.dtype in (torch.bfloat16, torch.float16) and out.device.type == "cpu"
+        self._adam_pass(lent.master, grad, lent.exp_avg, lent.exp_avg_sq, out if fused else None, record.step,
+                        grad_scale, group, lent.moments)  # fmt: skip
+        return fused
+
+    def _adam_pass(self, master, grad, exp_avg, exp_avg_sq, out, step, grad_scale, group, moments) -> None:
         adam_step_flat(
-            lent.master,
+            master,
             grad,
-            lent.exp_avg,
-            lent.exp_avg_sq,
+            exp_avg,
+            exp_avg_sq,
             step=step,
             lr=group["lr"],
             beta1=group["betas"][0],
@@ -332,13 +386,12 @@ class NativeStepper:
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             adamw_mode=self.adamw_mode,
-            out_copy=out if fused else None,
+            out_copy=out,
             grad_scale=grad_scale,
             moments=self.shards.placement.moments,
-            exp_avg_scale=lent.moments.get("exp_avg_scale"),
-            exp_avg_sq_scale=lent.moments.get("exp_avg_sq_scale"),
+            exp_avg_scale=moments.get("exp_avg_scale"),
+            exp_avg_sq_scale=moments.get("exp_avg_sq_scale"),
         )
-        return fused
 
     def _finish_behind(self) -> None:
         """Wait for a finished deferred step's writes still in flight (done by now, most likely)."""

@@ -174,6 +174,10 @@ class FlatParam:
             out[self.numel :].zero_()  # the padding
         return True
 
+    def grad_presence(self) -> tuple[bool, ...]:
+        """Which parameters have a gradient, in slot order."""
+        return tuple(p.grad is not None for p in self.params)
+
     def grads(self) -> list[torch.Tensor | None]:
         """The parameters' gradients, in slot order (None where a parameter has none)."""
         return [p.grad for p in self.params]

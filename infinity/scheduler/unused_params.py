@@ -1,10 +1,10 @@
 """`ignore_unused_parameters: false`: every trainable parameter must get a gradient in each optimizer step.
 
 DeepSpeed stops with an error when a trainable parameter took no part in the loss and the option is false
-(true, the default, lets such parameters through: they are stepped with a zero gradient where their block
-has others). `UnusedParameterCheck` counts gradient arrivals per parameter with its own hooks; `check()` at
-the step boundary raises on every rank together (the count of unused parameters is summed over ranks
-first, so no rank goes on into a collective the others left), naming this rank's unused parameters.
+(true, the default, lets such parameters through: the step leaves them as they are, `optim.param_steps`).
+`UnusedParameterCheck` counts gradient arrivals per parameter with its own hooks; `check()` at the step
+boundary raises on every rank together (the count of unused parameters is summed over ranks first, so no
+rank goes on into a collective the others left), naming this rank's unused parameters.
 """
 
 from __future__ import annotations

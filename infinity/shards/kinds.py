@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+
 
 class ShardKind(str, enum.Enum):
     PARAM = "param"  # compute dtype; the whole flat when parameters are resident
@@ -23,3 +25,7 @@ class ShardRecord:
     step: int = 0  # Adam steps taken
     has_grad: bool = False  # the accumulator holds this step's gradient sum
     grad_norm_sq: float | None = None  # of the final gradient, once known (placements that need norms)
+    # per parameter (slot order): got a gradient this step, on some rank in some micro-batch; None: all did. A
+    # tensor (1 where got) while the max over ranks may still be on its way (`GradientAccumulators.grad_presence`)
+    used: tuple[bool, ...] | torch.Tensor | None = None
+    slot_steps: list[int] | None = None  # per parameter Adam steps where some were skipped; None: each took `step`

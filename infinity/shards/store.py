@@ -230,11 +230,12 @@ class ShardStore(GradientAccumulators, OptimizerLending):
         master32: torch.Tensor,
         moments: tuple[str, dict[str, torch.Tensor]] | None = None,
         step: int | None = None,
+        slot_steps: list[int] | None = None,
     ) -> None:
         """New fp32 weights for this rank's shard of `flat` (optionally its Adam moments, as (format name,
-        tensors by name) in any format, and step count): the master takes them, the parameter shard their
-        compute-dtype cast. A resident flat's other ranks' ranges and a gathered copy are the caller's to
-        refresh (`sync_resident`, `reshard`)."""
+        tensors by name) in any format, and step count, with `slot_steps` its parameters' own where they differ):
+        the master takes them, the parameter shard their compute-dtype cast. A resident flat's other ranks'
+        ranges and a gathered copy are the caller's to refresh (`sync_resident`, `reshard`)."""
         self.settle(flat)  # a deferred step must not overwrite the new values later
         master32 = master32.detach().to("cpu", torch.float32).reshape(-1)
         if flat.requires_grad and not self.placement.master_is_param:
@@ -244,6 +245,7 @@ class ShardStore(GradientAccumulators, OptimizerLending):
             self._write(flat, ShardKind.MOMENTS, self._packed(flat, *moments))
         if step is not None:
             self.records[flat].step = step
+            self.records[flat].slot_steps = None if slot_steps is None else [int(c) for c in slot_steps]
 
     def _packed(self, flat: FlatParam, fmt: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """`values` (moments stored in format `fmt`) packed in this placement's format, converted if need be."""
