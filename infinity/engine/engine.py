@@ -203,18 +203,6 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
         self._give_up_freed_blocks = keep_freed_blocks(memory.freed_block_bytes if returns_to_os else 0)
         return_freed_heap()  # a model built in full left its unsharded weights in malloc's heap
 
-    @property
-    def flats(self):
-        return self.shards.flats
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.placement.compute_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.placement.compute_device
-
     def _make_lr_scheduler(self, lr_scheduler: Any):
         if lr_scheduler is not None:
             return (
@@ -250,13 +238,6 @@ class InfinityEngine(EngineStateIO, EngineReadouts):
     def _record_live_bytes(self) -> None:
         for tier in Tier:
             self.prof.live(tier.value, self.tiers.live_bytes(tier))
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (scaled by 1/gradient_accumulation_steps and the fp16 loss scale)."""

@@ -12,6 +12,26 @@ import torch
 class EngineReadouts:
     """The read-only half of the engine's API; see the module docstring."""
 
+    @property
+    def flats(self):
+        return self.shards.flats
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.placement.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.compute_device
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """The next `step()` steps the weights (the last micro-batch of an accumulation)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
     def get_lr(self) -> list[float]:
         """Each param group's learning rate now (the client optimizer's, where it sets them)."""
         if self._client_is_truth:
