@@ -15,7 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infinity.partition.flat_param import FlatParam
+from infinity.shards import ShardStore
 from infinity.shards.kinds import ShardRecord
+
+Presence = tuple[bool, ...] | None  # which parameters of a flat got a gradient this step (None: all)
+
+
+def step_presence(shards: ShardStore, flat: FlatParam) -> Presence:
+    """Which of `flat`'s parameters this step updates (`optim.param_steps`): those that got a gradient, where
+    the moments are fp32; every one where they round stochastically along the shard (bf16, 8-bit)."""
+    return shards.grad_presence(flat) if shards.placement.moments == "fp32" else None
 
 
 @dataclass(frozen=True)

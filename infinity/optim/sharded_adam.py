@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from infinity.optim.param_steps import any_used
-from infinity.optim.steppers import NativeStepper, Stepper, TorchFusedStepper
+from infinity.optim.steppers import NativeStepper, Stepper
+from infinity.optim.torch_stepper import TorchFusedStepper
 from infinity.partition.flat_param import FlatParam
 from infinity.shards.policy import StepperKind, StepTiming
 from infinity.shards.store import ShardStore
