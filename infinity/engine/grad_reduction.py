@@ -27,6 +27,7 @@ class _InFlight:
     final: bool
     start_ns: int
     presence: torch.Tensor | None = None  # final: per parameter, 1 where some rank's gradient had it (`_presence`)
+    # (the block's flats share one all-reduce)
     presence_work: object | None = None
 
     def arrived(self) -> bool:
@@ -91,14 +92,15 @@ class GradReducer:
 
     def reduce_block(self, block: ShardedBlock, final: bool) -> None:
         """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step."""
-        for flat in block.flats:
-            if not flat.requires_grad:
-                continue
-            if self.comm.world_size == 1:
+        trainable = [flat for flat in block.flats if flat.requires_grad]
+        if self.comm.world_size == 1:
+            for flat in trainable:
                 self.optimizer.accumulate_local_grads(flat, final)
                 flat.clear_grads()
-                continue
-            self._issue(block.name, flat, final)
+            return
+        presence = self._presence(block.name, trainable, final)
+        for flat, present in zip(trainable, presence, strict=True):
+            self._issue(block.name, flat, final, present)
             flat.clear_grads()
             # hand over what has arrived (its buffers go at once); wait only past the bucket
             while self._in_flight and (
@@ -111,7 +113,9 @@ class GradReducer:
         while self._in_flight:
             self._complete_oldest()
 
-    def _issue(self, block_name: str, flat: FlatParam, final: bool) -> None:
+    def _issue(
+        self, block_name: str, flat: FlatParam, final: bool, present: tuple[torch.Tensor, object] | None
+    ) -> None:
         device = flat.full.device
         full = self.comm.buffers.take(flat.padded_numel, self.reduce_dtype, device)
         if flat.flat_grad(full) is None:  # every rank joins the collective, with or without gradients
@@ -133,25 +137,29 @@ class GradReducer:
             else:
                 self.comm.all_reduce(full, what)
             shard = full[begin:end]
-        job = _InFlight(flat, block_name, shard, full, work, final, start)
-        self._presence(job)
+        job = _InFlight(flat, block_name, shard, full, work, final, start, *(present or (None, None)))
         self._in_flight.append(job)
         self._in_flight_elems += full.numel()
 
-    def _presence(self, job: _InFlight) -> None:
-        """Which of the flat's parameters got a gradient in this step on some rank: this rank's micro-batches'
-        are kept; at the final one a max over ranks goes with the reduction (a parameter is stepped where any
-        rank had its gradient, as one process with the whole batch would)."""
-        mine = job.flat.grad_presence()
-        earlier = self._present.pop(job.flat, None)
-        if earlier is not None:
-            mine = tuple(a or b for a, b in zip(earlier, mine, strict=True))
-        if not job.final:
-            self._present[job.flat] = mine
-            return
-        job.presence = torch.tensor(mine, dtype=torch.float32, device=self.comm.device)
-        job.presence_work = self.comm.all_reduce(job.presence, f"which parameters of {job.flat.name} got gradients",
-                                                 op="max", async_op=True)  # fmt: skip
+    def _presence(
+        self, block_name: str, flats: list[FlatParam], final: bool
+    ) -> list[tuple[torch.Tensor, object] | None]:
+        """Which of each flat's parameters got a gradient in this step on some rank. This rank's micro-batches'
+        are kept; at the final one, a max over ranks of the block's flats at once, issued before their
+        reductions: (1 where some rank's gradient had it, its work) per flat. A parameter is stepped where any
+        rank had its gradient, as one process with the whole batch would (`optim.param_steps`)."""
+        mine = []
+        for flat in flats:
+            present = flat.grad_presence()
+            earlier = self._present.pop(flat, None)
+            mine.append(present if earlier is None else tuple(a or b for a, b in zip(earlier, present, strict=True)))
+        if not final or not flats:
+            self._present.update(zip(flats, mine, strict=True))
+            return [None] * len(flats)
+        both = torch.tensor([v for present in mine for v in present], dtype=torch.float32, device=self.comm.device)
+        work = self.comm.all_reduce(both, f"which parameters of {block_name} got gradients", op="max", async_op=True)
+        views = both.split([len(present) for present in mine])
+        return [(view, work) for view in views]
 
     def _complete_oldest(self) -> None:
         job = self._in_flight.popleft()
