@@ -198,7 +198,7 @@ def expert_route(x: torch.Tensor) -> torch.Tensor:
 
 class ExpertNet(nn.Module):
     """An input projection, two ExpertLayer blocks and a head; `pooler`, a root layer the loss never uses (as
-    a masked-LM loss leaves out BERT's pooler), gets no gradient ever."""
+    a masked-LM loss leaves out BERT's pooler), gets no gradient ever. `skip=True` leaves layers[1] out."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,11 +207,12 @@ class ExpertNet(nn.Module):
         self.pooler = nn.Linear(24, 24)
         self.head = nn.Linear(24, 8)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, skip: bool = False):
         route = expert_route(x)
         h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h, route)
+        for i, layer in enumerate(self.layers):
+            if not (skip and i == 1):
+                h = layer(h, route)
         out = self.head(h)
         return out, None if targets is None else F.mse_loss(out, targets)
 

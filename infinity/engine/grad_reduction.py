@@ -13,6 +13,7 @@ from infinity.optim.sharded_adam import ShardedAdam
 from infinity.partition import FlatParam
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.shards import GradReduction
+from infinity.shards.grad_presence import ones_where
 
 
 @dataclass
@@ -26,8 +27,9 @@ class _InFlight:
     work: object | None
     final: bool
     start_ns: int
-    presence: torch.Tensor | None = None  # final: per parameter, 1 where some rank's gradient had it (`_presence`)
-    # (the block's flats share one all-reduce)
+    # stepped as it arrives: per parameter, 1 where some rank's gradient had it (the block's flats share one
+    # all-reduce, `_presence`)
+    presence: torch.Tensor | None = None
     presence_work: object | None = None
 
     def arrived(self) -> bool:
@@ -88,17 +90,16 @@ class GradReducer:
         self.scaling = scaling or GradScaling(1.0, float(comm.world_size))
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_elems = 0
-        self._present: dict[FlatParam, tuple[bool, ...]] = {}  # this rank's, over the step's micro-batches so far
 
     def reduce_block(self, block: ShardedBlock, final: bool) -> None:
         """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step."""
         trainable = [flat for flat in block.flats if flat.requires_grad]
+        presence = self._presence(block.name, trainable, final)
         if self.comm.world_size == 1:
             for flat in trainable:
                 self.optimizer.accumulate_local_grads(flat, final)
                 flat.clear_grads()
             return
-        presence = self._presence(block.name, trainable, final)
         for flat, present in zip(trainable, presence, strict=True):
             self._issue(block.name, flat, final, present)
             flat.clear_grads()
@@ -144,22 +145,19 @@ class GradReducer:
     def _presence(
         self, block_name: str, flats: list[FlatParam], final: bool
     ) -> list[tuple[torch.Tensor, object] | None]:
-        """Which of each flat's parameters got a gradient in this step on some rank. This rank's micro-batches'
-        are kept; at the final one, a max over ranks of the block's flats at once, issued before their
-        reductions: (1 where some rank's gradient had it, its work) per flat. A parameter is stepped where any
-        rank had its gradient, as one process with the whole batch would (`optim.param_steps`)."""
-        mine = []
+        """Note which of each flat's parameters got a gradient on this rank (the step skips those that got none
+        on any, `optim.param_steps`). Where flats step as their gradients arrive, the ranks agree on it with the
+        final micro-batch's reduction, in one all-reduce for the block's flats issued before their reductions:
+        (1 where some rank had it, its work) per flat. Otherwise they agree once, before the step."""
         for flat in flats:
-            present = flat.grad_presence()
-            earlier = self._present.pop(flat, None)
-            mine.append(present if earlier is None else tuple(a or b for a, b in zip(earlier, present, strict=True)))
-        if not final or not flats:
-            self._present.update(zip(flats, mine, strict=True))
+            self.optimizer.note_grad_presence(flat, flat.grad_presence())
+        if not (final and flats and self.optimizer.step_in_backward):
             return [None] * len(flats)
-        both = torch.tensor([v for present in mine for v in present], dtype=torch.float32, device=self.comm.device)
+        shards = self.optimizer.shards
+        mine = [list(shards.grad_presence(flat) or (True,) * len(flat.slots)) for flat in flats]
+        both = ones_where([v for present in mine for v in present], self.comm.device)
         work = self.comm.all_reduce(both, f"which parameters of {block_name} got gradients", op="max", async_op=True)
-        views = both.split([len(present) for present in mine])
-        return [(view, work) for view in views]
+        return [(view, work) for view in both.split([len(present) for present in mine])]
 
     def _complete_oldest(self) -> None:
         job = self._in_flight.popleft()

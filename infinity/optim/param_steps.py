@@ -7,7 +7,9 @@ runs over the others only, each with its own step count for its bias correction.
 parameter with a gradient and every count alike, stays one pass over the whole shard.
 
 Moments stored in bf16 or 8 bits round stochastically along the whole shard (and 8-bit blocks span
-parameters), so those formats step every parameter of a flat that got any gradient, as DeepSpeed does.
+parameters), so those formats step every parameter of a flat that got any gradient, as DeepSpeed does. Where
+some parameters skipped steps, the flat stays on runs (their counts lag for good); each run still writes its
+compute-dtype weights in the same pass, and only the elements between runs are copied.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from dataclasses import dataclass
 
 from infinity.partition.flat_param import FlatParam
 from infinity.shards import ShardStore
+from infinity.shards.grad_presence import Presence
 from infinity.shards.kinds import ShardRecord
-
-Presence = tuple[bool, ...] | None  # which parameters of a flat got a gradient this step (None: all)
 
 
 def step_presence(shards: ShardStore, flat: FlatParam) -> Presence:

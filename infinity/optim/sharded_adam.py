@@ -64,9 +64,9 @@ class ShardedAdam(torch.optim.Optimizer):
         present: tuple[bool, ...] | torch.Tensor | None = None,
     ) -> None:
         """One micro-batch's reduced gradient shard (fp32, any device); `final` marks the last one before a step;
-        `present`: which of the flat's parameters got a gradient (on any rank; a tensor: 1 where), if known."""
+        `present`: the ranks' agreed presence of the flat's parameters' gradients (1 where), if agreed now."""
         if present is not None and not self._replaying:
-            self.shards.note_grad_presence(flat, present)
+            self.shards.agreed_grad_presence(flat, present)
         if final:
             self._final_grad_arrives()
         if final and self.step_in_backward:
@@ -76,12 +76,16 @@ class ShardedAdam(torch.optim.Optimizer):
         else:
             self.shards.accumulate_grad(flat, shard_grad, final)
 
+    def note_grad_presence(self, flat: FlatParam, present: tuple[bool, ...]) -> None:
+        """Which of `flat`'s parameters got a gradient in this micro-batch on this rank (not in a replay: those
+        are the step's own gradients again)."""
+        if not self._replaying:
+            self.shards.note_grad_presence(flat, present)
+
     def accumulate_local_grads(self, flat: FlatParam, final: bool = True) -> None:
         """One rank, nothing to reduce: the parameters' gradients go straight into the accumulator when it
         is in the compute's memory (one pass), else through one flat copy; where only their norm is kept (the
         step recomputes them), it is read from them."""
-        if not self._replaying:
-            self.shards.note_grad_presence(flat, flat.grad_presence())
         acc = self.shards.grad_accumulator(flat)
         if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
             if final:
@@ -175,6 +179,7 @@ class ShardedAdam(torch.optim.Optimizer):
         Where the placement defers steps until the next gather, each shard is owed its step (with the
         hyper-parameters as they are now) and stepped when next needed; `order` is the order the next
         forward needs them in (default: the store's)."""
+        self.shards.agree_grad_presence()
         flats = [
             f for f, record in self.shards.records.items() if record.has_grad and any_used(self.shards.grad_presence(f))
         ]

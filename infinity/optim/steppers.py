@@ -270,17 +270,25 @@ class NativeStepper:
         grad_scale: float,
         group: dict[str, Any],
     ) -> bool:
-        """One native pass over the shard, or one per run (`param_steps.partial_runs`); returns whether it also
-        wrote the new compute-dtype weights into `param_out` (not with runs: the store copies the master)."""
-        if runs is not None:
-            for r in runs:
-                self._adam_pass(lent.master[r.lo : r.hi], grad[r.lo : r.hi], lent.exp_avg[r.lo : r.hi],
-                                lent.exp_avg_sq[r.lo : r.hi], None, r.step, grad_scale, group, {})  # fmt: skip
-            return False
+        """One native pass over the shard, or one per run (`param_steps.partial_runs`: the elements between runs
+        keep their weights, copied into `param_out`); returns whether it also wrote the new compute-dtype weights
+        into `param_out` (the fused copy-out)."""
         out = lent.param_out
         fused = out is not None and out.dtype in (torch.bfloat16, torch.float16) and out.device.type == "cpu"
-        self._adam_pass(lent.master, grad, lent.exp_avg, lent.exp_avg_sq, out if fused else None, record.step,
-                        grad_scale, group, lent.moments)  # fmt: skip
+        if runs is None:
+            self._adam_pass(lent.master, grad, lent.exp_avg, lent.exp_avg_sq, out if fused else None, record.step,
+                            grad_scale, group, lent.moments)  # fmt: skip
+            return fused
+        m, g, v1, v2 = lent.master, grad, lent.exp_avg, lent.exp_avg_sq
+        done = 0
+        for r in runs:
+            if fused and done < r.lo:
+                out[done : r.lo].copy_(m[done : r.lo])
+            self._adam_pass(m[r.lo : r.hi], g[r.lo : r.hi], v1[r.lo : r.hi], v2[r.lo : r.hi],
+                            out[r.lo : r.hi] if fused else None, r.step, grad_scale, group, {})  # fmt: skip
+            done = r.hi
+        if fused:
+            out[done:].copy_(m[done:])
         return fused
 
     def _adam_pass(self, master, grad, exp_avg, exp_avg_sq, out, step, grad_scale, group, moments) -> None:

@@ -45,10 +45,6 @@ _TRIAL_CHUNK = 1 << 20  # elements compared at once (no whole-shard temporary)
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # gradient dtypes an fp32 flat holds exactly
 
 
-def _as_tuple(present: tuple[bool, ...] | torch.Tensor | None) -> tuple[bool, ...] | None:
-    return tuple(bool(v) for v in present.tolist()) if isinstance(present, torch.Tensor) else present
-
-
 class GradReplay(Protocol):
     """Recomputes the gradients of a flat's block for its deferred step (the engine's `GradientReplay`)."""
 
@@ -72,21 +68,6 @@ class GradientAccumulators:
         if self.placement.grads_cross_to_host:
             return None
         return self.shard_view(flat, ShardKind.GRAD)
-
-    def note_grad_presence(self, flat: FlatParam, present: tuple[bool, ...] | torch.Tensor) -> None:
-        """Which of `flat`'s parameters got a gradient in a micro-batch (on some rank): the step skips those
-        that got none in any (`optim.param_steps`). A tensor (1 where got, on any device) is read only when
-        the step asks (`grad_presence`): reading it here would wait for the device."""
-        record = self.records[flat]
-        if record.used is not None:
-            present = tuple(a or b for a, b in zip(self.grad_presence(flat), _as_tuple(present), strict=True))
-        record.used = present
-
-    def grad_presence(self, flat: FlatParam) -> tuple[bool, ...] | None:
-        """Which of `flat`'s parameters got a gradient this step (None: all, or not known)."""
-        record = self.records[flat]
-        record.used = _as_tuple(record.used)
-        return record.used
 
     def grad_written(self, flat: FlatParam, final: bool) -> None:
         """The caller wrote (or added) this micro-batch's gradient into `grad_accumulator(flat)` itself."""
@@ -246,7 +227,7 @@ class GradientAccumulators:
         for record in self.records.values():
             record.has_grad = False
             record.grad_norm_sq = None
-            record.used = None
+        self.forget_grad_presence()
         for flat in [f for f in self._held_grads if not self.owes(f)]:  # a step owed still takes its gradient
             self._take_held_grad(flat)
         for flat in [f for f in self._replay_owed if not self.owes(f)]:

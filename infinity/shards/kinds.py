@@ -25,7 +25,8 @@ class ShardRecord:
     step: int = 0  # Adam steps taken
     has_grad: bool = False  # the accumulator holds this step's gradient sum
     grad_norm_sq: float | None = None  # of the final gradient, once known (placements that need norms)
-    # per parameter (slot order): got a gradient this step, on some rank in some micro-batch; None: all did. A
-    # tensor (1 where got) while the max over ranks may still be on its way (`GradientAccumulators.grad_presence`)
+    # per parameter (slot order): got a gradient this step in some micro-batch; None: all did (`grad_presence`).
+    # This rank's until the ranks agree (`used_agreed`); agreed with a reduction, a tensor (1 where) until read
     used: tuple[bool, ...] | torch.Tensor | None = None
+    used_agreed: bool = False
     slot_steps: list[int] | None = None  # per parameter Adam steps where some were skipped; None: each took `step`

@@ -34,6 +34,7 @@ from infinity.partition.flat_param import FlatParam
 from infinity.profiler.null_writer import NullTraceWriter
 from infinity.shards import registry
 from infinity.shards.crossing import DeviceHostCopies, StagedCopy
+from infinity.shards.grad_presence import GradPresence
 from infinity.shards.gradients import GRADS_IN_FLIGHT, GradientAccumulators, GradReplay
 from infinity.shards.kinds import ShardKind, ShardRecord
 from infinity.shards.lending import OptimizerLending
@@ -42,7 +43,7 @@ from infinity.shards.policy import Placement, StepTiming
 from infinity.storage import FetchHandle, MoveHandle, Tier, TierStore
 
 
-class ShardStore(GradientAccumulators, OptimizerLending):
+class ShardStore(GradientAccumulators, GradPresence, OptimizerLending):
     """This rank's shards of every flat, on the tiers `placement` names; see the module docstring."""
 
     def __init__(
@@ -245,7 +246,9 @@ class ShardStore(GradientAccumulators, OptimizerLending):
             self._write(flat, ShardKind.MOMENTS, self._packed(flat, *moments))
         if step is not None:
             self.records[flat].step = step
-            self.records[flat].slot_steps = None if slot_steps is None else [int(c) for c in slot_steps]
+            # per-parameter counts only where parameters step alone (fp32 moments: `optim.param_steps`)
+            per_param = slot_steps is not None and self.placement.moments == "fp32"
+            self.records[flat].slot_steps = [int(c) for c in slot_steps] if per_param else None
 
     def _packed(self, flat: FlatParam, fmt: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """`values` (moments stored in format `fmt`) packed in this placement's format, converted if need be."""
