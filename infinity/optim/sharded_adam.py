@@ -65,6 +65,8 @@ class ShardedAdam(torch.optim.Optimizer):
     ) -> None:
         """One micro-batch's reduced gradient shard (fp32, any device); `final` marks the last one before a step;
         `present`: the ranks' agreed presence of the flat's parameters' gradients (1 where), if agreed now."""
+        if self._replaying and not self.shards.expects_replayed_grad(flat):
+            return
         if present is not None and not self._replaying:
             self.shards.agreed_grad_presence(flat, present)
         if final:
@@ -86,6 +88,8 @@ class ShardedAdam(torch.optim.Optimizer):
         """One rank, nothing to reduce: the parameters' gradients go straight into the accumulator when it
         is in the compute's memory (one pass), else through one flat copy; where only their norm is kept (the
         step recomputes them), it is read from them."""
+        if self._replaying and not self.shards.expects_replayed_grad(flat):
+            return
         acc = self.shards.grad_accumulator(flat)
         if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
             if final:

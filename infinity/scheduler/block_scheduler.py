@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_leaves
 
 from infinity.partition.sharded_block import ShardedBlock, ShardSource
 from infinity.scheduler.backward_turn import kept_for_backward
-from infinity.scheduler.frozen_reads import FrozenReads
 from infinity.scheduler.gather_window import GatherWindow, Phase
+from infinity.scheduler.input_grads import InputGrads
 from infinity.scheduler.param_access import ExternalReads, install_param_access
 from infinity.scheduler.trace import ExecutionTrace
 
@@ -75,9 +75,10 @@ class BlockScheduler(GatherWindow):
         # step, while reductions may still land (and ask `reads_across`) until the next forward
         self._read_across_last_pass: frozenset[ShardedBlock] = frozenset()
         self._remove_param_access = install_param_access([*blocks, root, persistent], self._on_param_read)
-        self._frozen = FrozenReads(self._frozen_inputs_done)
+        self._input_grads = InputGrads(self._inputs_done)
         self._grads_in: set[ShardedBlock] = set()  # their gradients are in; backward may still read frozen weights
-        self._watched: set[ShardedBlock] = set()  # blocks whose frozen reads this pass's forward watched
+        self._watched: set[ShardedBlock] = set()  # blocks whose calls this pass's forward watched
+        self._inputs_watched: set[ShardedBlock] = set()  # ... of which some call's inputs require grad
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
             model.register_forward_hook(self._root_post_forward),
@@ -88,9 +89,8 @@ class BlockScheduler(GatherWindow):
             self._handles.append(block.module.register_forward_hook(self._post_forward_hook(block)))
             for p in block.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(block)))
-            if FrozenReads.applies(block):
-                hook = self._watch_frozen_reads(block)
-                self._handles.append(block.module.register_forward_pre_hook(hook, with_kwargs=True))
+            hook = self._watch_input_grads(block)
+            self._handles.append(block.module.register_forward_pre_hook(hook, with_kwargs=True))
         for block in (root, persistent):
             owners = {module for flat in block.flats for slot in flat.slots for module, _ in slot.uses}
             for module in owners - {model}:
@@ -174,6 +174,7 @@ class BlockScheduler(GatherWindow):
         if torch.is_grad_enabled():
             self._read_across_last_pass = frozenset()
             self._watched.clear()  # this forward's calls, not an earlier forward's that had no backward
+            self._inputs_watched.clear()
         self._external.begin_call(self.root)
         self.forward_trace.start_pass()
         self._kept_for_backward = self._plan_backward_turn() if torch.is_grad_enabled() else set()
@@ -319,20 +320,26 @@ class BlockScheduler(GatherWindow):
             if self.phase is Phase.REPLAY:  # a replay's gradients are not backward's (autograd.grad stores none)
                 return
             block.grads_ready += 1
-            if block.grads_ready == len(block.trainable):
-                block.grads_ready = 0
-                self._issue_all()  # the reduction's collectives come after every gather issued so far
-                self.on_block_grads(block)
-                self._external.held_for_step.discard(block)
-                if self._frozen.owes(block):  # its inputs' gradients still read its frozen weights
-                    self._grads_in.add(block)
-                else:
-                    block.reshard()
+            # where its inputs' gradients are watched, that says when the block is done (`InputGrads`): this
+            # count falls short on a rank where some parameter got no gradient
+            if block.grads_ready == len(block.trainable) and block not in self._inputs_watched:
+                self._block_grads_done(block)
 
         return hook
 
-    def _watch_frozen_reads(self, block: ShardedBlock):
-        """Watch a training call's inputs (`FrozenReads`): in forward, or in the recomputation of a reentrant
+    def _block_grads_done(self, block: ShardedBlock) -> None:
+        """Hand `block`'s gradients over (this rank's: a parameter may have none) and reshard it."""
+        block.grads_ready = 0
+        self._issue_all()  # the reduction's collectives come after every gather issued so far
+        self.on_block_grads(block)
+        self._external.held_for_step.discard(block)
+        if self._input_grads.owes(block):  # its inputs' gradients still read its frozen weights
+            self._grads_in.add(block)
+        else:
+            block.reshard()
+
+    def _watch_input_grads(self, block: ShardedBlock):
+        """Watch a training call's inputs (`InputGrads`): in forward, or in the recomputation of a reentrant
         checkpoint, whose forward ran without grad (a non-reentrant one's forward was watched already)."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -342,12 +349,19 @@ class BlockScheduler(GatherWindow):
                 self._watched.add(block)
             elif self.phase is not Phase.BACKWARD or block in self._watched:
                 return None
-            return self._frozen.watch(block, args, kwargs)
+            watched = self._input_grads.watch(block, args, kwargs)
+            if watched is not None:
+                self._inputs_watched.add(block)
+            return watched
 
         return hook
 
-    def _frozen_inputs_done(self, block: ShardedBlock) -> None:
-        """Backward is done with `block`'s frozen weights: reshard it if its gradients are in (or it has none)."""
+    def _inputs_done(self, block: ShardedBlock) -> None:
+        """Backward is done with `block`: its gradients go (every rank's, in the same order), and it is resharded
+        if they are in (or it has none)."""
+        if block.trainable and block in self._inputs_watched and block not in self._grads_in:
+            self._block_grads_done(block)
+            return
         if block in self._grads_in or not block.trainable:
             self._grads_in.discard(block)
             # a block gathered again meanwhile (the backward order's prefetch) is left to `finish_backward`
@@ -358,9 +372,10 @@ class BlockScheduler(GatherWindow):
         """Hand over the gradients not yet reduced (root, persistent, unused parameters); release blocks."""
         self._close()
         self.backward_trace.end_pass()
-        self._frozen.clear()
+        self._input_grads.clear()
         self._grads_in.clear()
         self._watched.clear()
+        self._inputs_watched.clear()
         self._issue_all()
         for block in [*self.blocks, self.root, self.persistent]:
             if block.grads_ready or block in (self.root, self.persistent):

@@ -281,6 +281,11 @@ class GradientAccumulators:
         elif flat in self._replay_trials:
             self._run_trial(flat)
 
+    def expects_replayed_grad(self, flat: FlatParam) -> bool:
+        """A gradient recomputed now is one `flat`'s step asked for (or its trial): else it is not wanted (a flat
+        of the replayed block whose step was not owed: no parameter of it got a gradient)."""
+        return flat in self._replay_owed or flat in self._replay_trials
+
     def replays_owed(self) -> bool:
         """Some flat's gradient for the step owed is still to be recomputed (for the step, or its trial)."""
         return bool(self._replay_owed) or any(error is None for error in self._replay_trials.values())

@@ -1,13 +1,20 @@
-"""FrozenReads: when backward is done with a block's frozen weights, so that the block may be resharded.
+"""InputGrads: when backward has computed a block's input gradients, so that its gradients are whole and it may go.
 
-A block's trainable parameters say when autograd is done with them (their gradient hooks), but a frozen
-weight has no gradient: a LoRA base or a frozen attention is read by backward to carry the gradient to the
-block's inputs, possibly after every trainable gradient of the block has arrived. Any node of the block's
-backward that reads a frozen weight lies on a path to the block's inputs or to its trainable parameters, so
-once both have their gradients it has run. `FrozenReads` passes each training call's inputs through an
-identity autograd function (as FSDP2 does) whose backward runs once this call's uses of them have their
-gradients (a gradient hook on the tensors themselves would wait for every other user of a tensor shared by
-all blocks, such as a decoder's encoder states). A call whose graph is freed without a backward owes nothing.
+Each training call's inputs pass through an identity autograd function (as FSDP2's post-backward does) whose
+backward runs once this call's uses of them have their gradients: the block's backward is over. Autograd runs
+a parameter's gradient accumulation as soon as it is ready and the block's nodes before that identity (they
+came later in forward), so every gradient of the block this rank computes is in by then. Two things wait for it:
+
+- The block's gradient reduction. Counting the block's parameters' gradients would say it sooner, but only where
+  every parameter gets one on this rank: an expert no row reached leaves the count short on one rank and not
+  another, and the ranks would issue their reductions in different orders (mismatched collectives).
+- Its resharding, where it holds frozen weights: a frozen weight has no gradient, and a LoRA base or a frozen
+  attention is read by backward to carry the gradient to the block's inputs, possibly after every trainable
+  gradient of the block has arrived. A hook on the input tensors themselves would wait for every other user
+  of a tensor all blocks read, such as a decoder's encoder states.
+
+A call whose graph is freed without a backward owes nothing. A call none of whose inputs requires a gradient
+(or whose inputs the flattening cannot see) is owed until backward ends.
 """
 
 from __future__ import annotations
@@ -45,19 +52,14 @@ class _InputsDone(torch.autograd.Function):
         return (None, *grads)
 
 
-class FrozenReads:
-    """Counts, per block with frozen flats, the training calls whose input gradients backward still owes."""
+class InputGrads:
+    """Counts, per block, the training calls whose input gradients backward still owes."""
 
     def __init__(self, on_inputs_done: Callable[[ShardedBlock], None]) -> None:
         """`on_inputs_done(block)`: backward computed the input gradients of every watched call of `block`."""
         self._on_inputs_done = on_inputs_done
         self._owed: dict[ShardedBlock, int] = {}
         self._pass = 0  # backwards ended: a call of an earlier pass, its graph freed late, settles nothing
-
-    @staticmethod
-    def applies(block: ShardedBlock) -> bool:
-        """Whether `block` has frozen flats whose gathered weights backward may read."""
-        return any(not f.requires_grad for f in block.flats)
 
     def watch(self, block: ShardedBlock, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """A training call of `block` with these inputs begins: the (args, kwargs) to call it with instead, or
@@ -82,7 +84,7 @@ class FrozenReads:
         return tree_unflatten(leaves, spec)
 
     def owes(self, block: ShardedBlock) -> bool:
-        """Whether backward may still read `block`'s frozen weights for some call's input gradients."""
+        """Whether backward may still read `block`'s weights for some call's input gradients."""
         return self._owed.get(block, 0) > 0
 
     def _settle(self, block: ShardedBlock, arrived: bool) -> None:
