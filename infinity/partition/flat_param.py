@@ -112,6 +112,15 @@ class FlatParam:
         for slot, p in zip(self.slots, self.params, strict=True):
             p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
+    def restore_resident_views(self) -> None:
+        """Point a resident flat's parameters at its buffer again where the model replaced their data (a module
+        casting its own weights in forward, as a router's `self.to(torch.float32)`): they would keep reading
+        that copy while the steps update the buffer."""
+        if self.state is FlatState.RESIDENT:
+            base = self.full.untyped_storage().data_ptr()
+            if any(p.untyped_storage().data_ptr() != base for p in self.params):
+                self.install_views()
+
     def clear_views(self) -> None:
         """Point every parameter at an empty tensor again (after `install_views` of a copy, on a sharded flat)."""
         for p in self.params:

@@ -171,6 +171,10 @@ class BlockScheduler(GatherWindow):
             return
         self.phase = Phase.FORWARD
         self._running = [self.root]
+        for block in (self.persistent, self.root, *self.blocks):
+            if block.resident:
+                for flat in block.flats:
+                    flat.restore_resident_views()
         if torch.is_grad_enabled():
             self._read_across_last_pass = frozenset()
             self._watched.clear()  # this forward's calls, not an earlier forward's that had no backward
