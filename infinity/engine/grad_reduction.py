@@ -151,7 +151,7 @@ class GradReducer:
         (1 where some rank had it, its work) per flat. Otherwise they agree once, before the step."""
         for flat in flats:
             self.optimizer.note_grad_presence(flat, flat.grad_presence())
-        if not (final and flats and self.optimizer.step_in_backward):
+        if not (final and flats and self.optimizer.step_in_backward and self.comm.world_size > 1):
             return [None] * len(flats)
         shards = self.optimizer.shards
         mine = [list(shards.grad_presence(flat) or (True,) * len(flat.slots)) for flat in flats]

@@ -4,8 +4,9 @@ A mixin of `ShardStore` (its records and comm). Each micro-batch notes this rank
 parameter counts where any rank's gradient had it, in any micro-batch, as one process with the whole batch
 would see it. With several ranks the ranks agree once per step, before it (`agree_grad_presence`: one
 max all-reduce over every flat not agreed yet), or, where a flat steps as its gradient arrives in backward,
-with that flat's block's reduction (`agreed_grad_presence`, a tensor on the device read only when the step
-asks). `zero_grad` forgets it all.
+with that flat's block's reduction (`agreed_grad_presence`: a tensor on the device, built and reduced there
+without a host copy, read when the flat's gradient arrives, where the gradient crossing has waited for the
+device anyway). `zero_grad` forgets it all.
 """
 
 from __future__ import annotations
