@@ -169,7 +169,7 @@ class GradReducer:
         nbytes = job.full.numel() * job.full.element_size()
         self.prof.collective(self.reduction.value, job.block, nbytes, job.start_ns, time.perf_counter_ns())
         if job.presence_work is not None:
-            job.presence_work.wait()  # (on a device: its stream waits; the values are read when the step asks)
+            job.presence_work.wait()  # (on a device: its stream waits; the values are read as the gradient arrives)
         if self.scaling.after != 1.0:
             job.shard.div_(self.scaling.after)
         self.optimizer.accumulate_grad(job.flat, job.shard, job.final, job.presence)

@@ -171,10 +171,8 @@ class BlockScheduler(GatherWindow):
             return
         self.phase = Phase.FORWARD
         self._running = [self.root]
-        for block in (self.persistent, self.root, *self.blocks):
-            if block.resident:
-                for flat in block.flats:
-                    flat.restore_resident_views()
+        for flat in (f for b in (self.persistent, self.root, *self.blocks) if b.resident for f in b.flats):
+            flat.restore_resident_views()  # where the model replaced their data (cast its own weights)
         if torch.is_grad_enabled():
             self._read_across_last_pass = frozenset()
             self._watched.clear()  # this forward's calls, not an earlier forward's that had no backward
@@ -324,9 +322,9 @@ class BlockScheduler(GatherWindow):
             if self.phase is Phase.REPLAY:  # a replay's gradients are not backward's (autograd.grad stores none)
                 return
             block.grads_ready += 1
-            # where its inputs' gradients are watched, that says when the block is done (`InputGrads`): this
-            # count falls short on a rank where some parameter got no gradient
-            if block.grads_ready == len(block.trainable) and block not in self._inputs_watched:
+            # this count falls short on a rank where some parameter got no gradient: the block's inputs'
+            # gradients say when it is done instead where they are watched (`_ends_with_inputs`)
+            if block.grads_ready == len(block.trainable) and not self._ends_with_inputs(block):
                 self._block_grads_done(block)
 
         return hook
@@ -360,10 +358,15 @@ class BlockScheduler(GatherWindow):
 
         return hook
 
+    def _ends_with_inputs(self, block: ShardedBlock) -> bool:
+        """`block`'s gradients go when backward has made its inputs' gradients (`_inputs_done`); not where another
+        block read its weights: that reader's backward may add to their gradients after this block's is over."""
+        return block in self._inputs_watched and not self._external.was_read(block)
+
     def _inputs_done(self, block: ShardedBlock) -> None:
         """Backward is done with `block`: its gradients go (every rank's, in the same order), and it is resharded
         if they are in (or it has none)."""
-        if block.trainable and block in self._inputs_watched and block not in self._grads_in:
+        if block.trainable and self._ends_with_inputs(block) and block not in self._grads_in:
             self._block_grads_done(block)
             return
         if block in self._grads_in or not block.trainable:
