@@ -63,14 +63,18 @@ def build_external(kind: str, seed: int = 0) -> nn.Module:
     if kind == "gpt_head_reads_embedding":
         return make_model("gpt_functional_tie", seed)
     torch.manual_seed(seed)
-    return PeerReadNet()
+    model = PeerReadNet()
+    if kind == "peer_reads_ahead":  # layers[0] also reads layers[3]'s weight: a reader before the owner
+        model.layers[0].peers.append(model.layers[3])
+    return model
 
 
 def external_batches(kind: str, micro_bs: int, rank: int = 0, world_size: int = 1):
     return batches("gpt" if kind.startswith("gpt") else "mlp", micro_bs, rank=rank, world_size=world_size)
 
 
-BLOCK_CLASSES = {"gpt_head_reads_embedding": ["Block", "Embedding"], "peer_reads": ["PeerLayer"]}
+BLOCK_CLASSES = {"gpt_head_reads_embedding": ["Block", "Embedding"], "peer_reads": ["PeerLayer"],
+                 "peer_reads_ahead": ["PeerLayer"]}  # fmt: skip
 
 
 def external_config(kind: str, micro_bs: int, nvme_path: str, reuse_distance: int) -> dict:

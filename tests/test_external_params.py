@@ -54,6 +54,20 @@ def test_blocks_reading_each_others_weights_match_plain_pytorch(world):
     _assert_matches_plain_pytorch("peer_reads", world, _run("peer_reads", world, 0))
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_block_read_before_its_own_forward_matches_plain_pytorch(tmp_path, clip):
+    """layers[0] reads layers[3]'s weight: that read's gradient arrives after layers[3]'s backward is over, so
+    layers[3]'s gradients must wait for it (without clipping, under a host budget, its shards step as their
+    gradients arrive: a second reduction would step them twice)."""
+    cfg = external_config("peer_reads_ahead", MICRO_BS, str(tmp_path), 0)
+    cfg["gradient_clipping"] = clip
+    cfg["zero_optimization"]["host_budget_bytes"] = 256 << 20
+    results = run_distributed(train_external, 2, "peer_reads_ahead", cfg, STEPS, MICRO_BS, timeout_s=120)
+    ref = reference_train(lambda: build_external("peer_reads_ahead"), external_batches("peer_reads_ahead", 4), STEPS,
+                          clip=clip)  # fmt: skip
+    assert_matches_reference(list(results), ref.losses, ref.state)
+
+
 def test_a_read_outside_the_block_enters_the_trace_where_it_happens():
     for result in _run("gpt_head_reads_embedding", 2, 0):
         assert result["order"] == ["wte", "wpe", "blocks.0", "blocks.1", "wte"]
