@@ -18,7 +18,7 @@ from infinity.profiler.analysis import summarize
 from infinity.profiler.diagnosis import Diagnosis, diagnose
 from infinity.profiler.facts import RunFacts
 from infinity.profiler.report import prepare
-from infinity.profiler.synthetic import SCENARIOS, Scenario, config_for, settings_for, write_scenario
+from infinity.profiler.synthetic import MS, SCENARIOS, Scenario, config_for, settings_for, write_scenario
 from infinity.profiler.traces import load_traces
 from infinity.profiler.verdict import OVERLAP_FEATURE, _optimizer_cause
 
@@ -162,6 +162,40 @@ def test_slow_disk_without_stalls_raises_queue_depth_then_threads(tmp_path: Path
     assert _settings(_diagnose(tmp_path / "deep", deep)) == {"aio.intra_op_parallelism": "raise"}
 
 
+def _shared_disk_trace(path: Path, read_bytes: int, write_bytes: int) -> Diagnosis:
+    """One 1 s forward computing throughout while NVMe reads and writes run beside each other for all of it, in
+    eight moves each, against a probed disk of 2 GB/s reads and 1 GB/s writes."""
+    scenario = SCENARIOS["tuned"]
+    raw = {"read_gbps": 2.0, "write_gbps": 1.0, "backend": "odirect"}
+    with TraceWriter(path, 0, 1, settings_for(scenario), raw_disk=raw, config=config_for(scenario)) as w:
+        w.begin_step(0, 0)
+        w.compute("b0", 0, 1000 * MS)
+        for i in range(8):
+            span = (i * 125 * MS, (i + 1) * 125 * MS)
+            w.move(f"('b{i}#0', 'exp_avg')", f"b{i}", read_bytes // 8, "nvme", "host", *span)
+            w.move(f"('b{i}#0', 'exp_avg_sq')", f"b{i}", write_bytes // 8, "host", "nvme", *span)
+        w.end_step(0, 1000 * MS)
+    traces = load_traces([path])
+    return diagnose(summarize(traces), traces)
+
+
+def test_reads_and_writes_sharing_a_saturated_disk_recommend_no_aio_setting(tmp_path: Path) -> None:
+    """Each direction alone at half the probed speed, but together the disk ran at its full speed (1 GB read at
+    2 GB/s and 0.5 GB written at 1 GB/s in the same second): more requests in flight cannot help. A real 3e9
+    clipped run showed this (writes at 0.56 of the probe while reads ran beside them) and was told to double
+    aio.queue_depth, which on an earlier boot moved that step by no more than the noise (README: 18.99 s at 32
+    against 19.82 at 16)."""
+    d = _shared_disk_trace(tmp_path / "full", 1_000_000_000, 500_000_000)
+    assert not [r for r in d.recommendations if r.setting.startswith("aio.")]
+    note = next(n for n in d.notes if "ran at the same time" in n)
+    assert "reads ran at 1.00 GB/s while busy, 0.50 of the probed disk's 2.00 GB/s" in note
+    assert "writes ran at 0.50 GB/s while busy, 0.50 of the probed disk's 1.00 GB/s" in note
+    assert "at 1.00 of its probed speed while busy" in note
+    # half the bytes in the same second: the disk had room, so the queue is what held it back
+    half = _shared_disk_trace(tmp_path / "half", 500_000_000, 250_000_000)
+    assert _settings(half) == {"aio.queue_depth": "raise"}
+
+
 def test_stalls_on_all_gather_raise_the_prefetch_bucket(tmp_path: Path) -> None:
     d = _diagnose(tmp_path, SCENARIOS["gather_bound"], ranks=2)
     assert _settings(d) == {Z + "stage3_prefetch_bucket_size": "raise"}
@@ -201,6 +235,22 @@ def test_optimizer_waiting_on_reads_with_the_disk_idle_raises_its_window_never_a
     assert (r.current, r.value) == (4, 8)
     budget = dataclasses.replace(SCENARIOS["tuned"], host_budget_bytes=1 << 30)
     assert _settings(_optimizer_stall_trace(tmp_path / "budget", budget)) == {Z + "host_budget_bytes": "raise"}
+
+
+def test_an_optimizer_stall_too_small_for_the_step_recommends_nothing(tmp_path: Path) -> None:
+    """The same 50 ns optimizer stall with the disk idle, after a 10 us forward: 0.5% of the step, where any
+    setting could save less than the smallest part the verdict names (a 3e9 run's 5 ms optimizer phase,
+    0.01% of its 38 s step, was told to raise the host budget by 4 GiB)."""
+    scenario = dataclasses.replace(SCENARIOS["tuned"], host_budget_bytes=1 << 30)
+    with TraceWriter(tmp_path, 0, 1, settings_for(scenario), config=config_for(scenario)) as w:
+        w.begin_step(0, 0)
+        w.compute("b0", 0, 10_000)
+        w.set_phase("optimizer", 10_000)
+        w.move("('b0#0', 'exp_avg')", "b0", 4096, "nvme", "host", 10_040, 10_050)
+        w.stall("b0", 10_000, 10_050, "nvme->host")
+        w.end_step(0, 10_100)
+    traces = load_traces([tmp_path])
+    assert diagnose(summarize(traces), traces).recommendations == []
 
 
 def test_no_recommendation_ever_names_a_pipeline_key(tmp_path: Path) -> None:

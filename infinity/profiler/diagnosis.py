@@ -20,7 +20,10 @@ naming only a key that changes something in this run (`knob_effects`), with the 
   POOL_WAIT_SHARE of step time -> more of that pool ("param": the read-ahead, "optimizer": the window,
   "grad" and "staging": the host budget where it is explicit).
 - NVMe reads (writes) ran, while busy, below DISK_FRACTION of the probed disk -> more requests in
-  flight (`aio.queue_depth`, then `aio.intra_op_parallelism`, then `aio.block_size`).
+  flight (`aio.queue_depth`, then `aio.intra_op_parallelism`, then `aio.block_size`); not where the other
+  direction ran beside them and both together kept the disk at DISK_FRACTION of its speed (a note).
+A stall rule fires only where its stall is at least MIN_SAVING_SHARE of the step time: removing less would
+change the step less than any avoidable part the verdict names.
 The verdict says "no change needed" only when no setting is to change and the step is within
 `verdict.MARGIN` of its bound.
 """
@@ -51,7 +54,18 @@ from infinity.profiler.knob_effects import (
     read_ahead_change,
 )
 from infinity.profiler.traces import RankTrace
-from infinity.profiler.verdict import MARGIN, Bound, Finding, Remedy, bound, find
+from infinity.profiler.verdict import (
+    DISK_FRACTION,
+    MARGIN,
+    MIN_DISK_BYTES,
+    MIN_SAVING_SHARE,
+    Bound,
+    Finding,
+    Remedy,
+    bound,
+    disk_use,
+    find,
+)
 
 ALWAYS_GATHERED = ("<root>", "<persistent>")  # the engine's names for them: gathered for a whole pass
 PARAM_READ_SHARE = 0.25  # below it, a phase's NVMe reads are mostly optimizer state: not the parameters' read-ahead
@@ -60,8 +74,6 @@ QUEUE_IDLE_SHARE = 0.5
 OPTIMIZER_DISK_BUSY = 0.8
 POOL_WAIT_SHARE = 0.01
 POOL_MIN_COUNT = 3  # with fewer steps than this, still ask for this many exhaustions
-DISK_FRACTION = 0.6
-MIN_DISK_BYTES = 8 << 20  # fewer bytes than this say nothing about a disk's speed
 HIGH_QUEUE_DEPTH = 32
 HIGH_INTRA_OP = 8
 
@@ -120,6 +132,12 @@ class _Rules:
         for part in parts:
             self.remedies.setdefault(part, Remedy(evidence, r.action, r.setting))
 
+    def _minor(self, stall_ns: float) -> bool:
+        """Whether a stall (summed over ranks and steps, as the summary's windows are) is below MIN_SAVING_SHARE
+        of the step time."""
+        total = self.summary.total.wall_ns
+        return not total or stall_ns / total < MIN_SAVING_SHARE
+
     def _disk_fraction(self, reads: bool) -> tuple[Rate, float | None]:
         total = Rate()
         for pair, rate in self.summary.total.moves.items():
@@ -175,7 +193,7 @@ class _Rules:
                 continue
             groups = _groups(window)
             read_share = groups.get(DISK_READ, 0) / window.wall_ns
-            if read_share > STALL_SHARE:
+            if read_share > STALL_SHARE and not self._minor(groups.get(DISK_READ, 0)):
                 idle, measured = self._queue_idle(phase)
                 depth = (f.config.get("aio") or {}).get("queue_depth")
                 how = (
@@ -218,16 +236,17 @@ class _Rules:
                             )
             for group in (TO_DEVICE, COLLECTIVE):  # not REDUCTION: no prefetch brings the slowest rank sooner
                 share = groups.get(group, 0) / window.wall_ns
-                if share > STALL_SHARE:
+                if share > STALL_SHARE and not self._minor(groups.get(group, 0)):
                     evidence = f"{_pct(share)} of {phase} stalled on {group}s: they are issued too late"
                     self.recommend(prefetch, evidence, (phase, group))
-            self._step_in_phase(phase, groups.get(OPTIMIZER_STEP, 0) / window.wall_ns)
+            self._step_in_phase(phase, window, groups.get(OPTIMIZER_STEP, 0))
 
-    def _step_in_phase(self, phase: str, share: float) -> None:
+    def _step_in_phase(self, phase: str, window: Window, stall_ns: int) -> None:
         """The optimizer step running in `phase` (deferred to the forward, or stepping shards as their
         gradients arrive) stalled it on its reads and writes while the disk had room: a larger window."""
         parts = self.b.mean.phase(phase)
-        if share <= STALL_SHARE or not parts.wall_ns:
+        share = stall_ns / window.wall_ns
+        if share <= STALL_SHARE or self._minor(stall_ns) or not parts.wall_ns:
             return
         busy = parts.disk_busy_ns / parts.wall_ns
         if busy >= OPTIMIZER_DISK_BUSY:
@@ -248,7 +267,7 @@ class _Rules:
         groups = _groups(window)
         for group in (DISK_READ, DISK_WRITE):
             share = groups.get(group, 0) / window.wall_ns
-            if share <= STALL_SHARE or busy >= OPTIMIZER_DISK_BUSY:
+            if share <= STALL_SHARE or busy >= OPTIMIZER_DISK_BUSY or self._minor(groups.get(group, 0)):
                 continue
             what = "reads" if group == DISK_READ else "writes"
             evidence = (
@@ -282,6 +301,8 @@ class _Rules:
 
     def disk(self) -> None:
         f = self.facts
+        use = disk_use(self.b.mean, f)  # both directions together
+        shared: list[str] = []  # slow directions the other one explains
         for reads in (True, False):
             rate, fraction = self._disk_fraction(reads)
             if rate.bytes and not f.raw_disk:
@@ -297,8 +318,17 @@ class _Rules:
                 f"NVMe {what} ran at {rate.gbps_busy:.2f} GB/s while busy, {fraction:.2f} of the probed disk's "
                 f"{f.raw(reads):.2f} GB/s"
             )
+            if use is not None and use >= DISK_FRACTION:
+                shared.append(evidence)
+                continue
             change = aio_change(f.config, HIGH_QUEUE_DEPTH, HIGH_INTRA_OP)
             self.recommend(change, evidence, ("disk", "read" if reads else "write"))
+        if shared:
+            self.notes.append(
+                f"{'; '.join(shared)}; but reads and writes ran at the same time, and together they kept the disk "
+                f"at {use:.2f} of its probed speed while busy: the disk is the limit, not the requests in flight "
+                "(no aio setting recommended)"
+            )
 
 
 def _groups(window: Window) -> dict[str, int]:

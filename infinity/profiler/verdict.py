@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infinity.profiler.analysis import Summary
-from infinity.profiler.breakdown import Breakdown, PhaseParts
+from infinity.profiler.breakdown import Breakdown, PhaseParts, StepParts
 from infinity.profiler.facts import RunFacts
 from infinity.profiler.format import DISK_READ, DISK_WRITE, OPTIMIZER_STEP, POOL, REDUCTION
 from infinity.profiler.whatif import Prediction, disk_at_raw, optimizer_overlap, stalls_removed
@@ -241,6 +241,20 @@ def find(b: Breakdown, summary: Summary, facts: RunFacts, remedies: dict[tuple[s
     return sorted(out, key=lambda f: -f.prediction.saving_s)
 
 
+def disk_use(m: StepParts, facts: RunFacts) -> float | None:
+    """The speed the step's NVMe traffic ran at, as a share of the probed disk's: its reads at the probed read
+    speed plus its writes at the probed write speed, over the time either was in flight. Reads and writes share
+    one disk, so each direction alone looks slow while the other runs. None when the disk was not probed (or
+    not with direct I/O) or the step moved too little to say."""
+    raw_r, raw_w = facts.raw(True), facts.raw(False)
+    reads = sum(p.nvme("read") for p in m.phases.values())
+    writes = sum(p.nvme("write") for p in m.phases.values())
+    busy_ns = sum(p.disk_busy_ns for p in m.phases.values())
+    if not (raw_r and raw_w) or reads + writes < MIN_DISK_BYTES or not busy_ns:
+        return None
+    return (reads / raw_r + writes / raw_w) / busy_ns  # time at the probed speed / time it took
+
+
 def _disk_and_pool(b: Breakdown, summary: Summary, facts: RunFacts, remedies: dict) -> list[Finding]:
     m, out = b.mean, []
     step_s = m.wall_ns / 1e9
@@ -248,30 +262,29 @@ def _disk_and_pool(b: Breakdown, summary: Summary, facts: RunFacts, remedies: di
     reads = sum(p.nvme("read") for p in m.phases.values())
     writes = sum(p.nvme("write") for p in m.phases.values())
     busy_ns = sum(p.disk_busy_ns for p in m.phases.values())
-    if raw_r and raw_w and reads + writes >= MIN_DISK_BYTES and busy_ns:
-        fraction = (reads / raw_r + writes / raw_w) / busy_ns  # time at the probed speed / time it took
-        if fraction < DISK_FRACTION:
-            r = remedies.get(("disk", "read")) or remedies.get(("disk", "write")) or NO_SETTING
-            rates = ", ".join(
-                f"{what} at {nbytes / busy:.2f} GB/s of the probed {raw:.2f}"
-                for what, nbytes, busy, raw in (
-                    ("reads", reads, sum(p.read_busy_ns for p in m.phases.values()), raw_r),
-                    ("writes", writes, sum(p.write_busy_ns for p in m.phases.values()), raw_w),
-                )
-                if nbytes and busy
+    fraction = disk_use(m, facts)
+    if fraction is not None and fraction < DISK_FRACTION:
+        r = remedies.get(("disk", "read")) or remedies.get(("disk", "write")) or NO_SETTING
+        rates = ", ".join(
+            f"{what} at {nbytes / busy:.2f} GB/s of the probed {raw:.2f}"
+            for what, nbytes, busy, raw in (
+                ("reads", reads, sum(p.read_busy_ns for p in m.phases.values()), raw_r),
+                ("writes", writes, sum(p.write_busy_ns for p in m.phases.values()), raw_w),
             )
-            prediction = disk_at_raw(b, fraction, r.action if r.setting else "NVMe at the probed speed")
-            out.append(
-                Finding(
-                    "NVMe below the disk's speed",
-                    prediction.saving_s / (1 - fraction),  # the time the thread was exposed to the disk
-                    f"the disk moved its bytes in {busy_ns / 1e9:.3f} s per step, {fraction:.2f} of its probed speed "
-                    f"({rates} GB/s while busy)",
-                    r.action,
-                    prediction,
-                    r.setting,
-                )
+            if nbytes and busy
+        )
+        prediction = disk_at_raw(b, fraction, r.action if r.setting else "NVMe at the probed speed")
+        out.append(
+            Finding(
+                "NVMe below the disk's speed",
+                prediction.saving_s / (1 - fraction),  # the time the thread was exposed to the disk
+                f"the disk moved its bytes in {busy_ns / 1e9:.3f} s per step, {fraction:.2f} of its probed speed "
+                f"({rates} GB/s while busy)",
+                r.action,
+                prediction,
+                r.setting,
             )
+        )
     for pool, (count, wait_ns) in sorted(summary.pools.items()):
         per_step_s = wait_ns / 1e9 / max(1, b.rank_steps)
         if per_step_s <= 0:
