@@ -48,12 +48,13 @@ def _config(
     dtype: str = "fp32",
     grad_accum: int = 1,
     block_classes: tuple[str, ...] | None = None,
+    micro_bs: int = MICRO_BS,
 ) -> dict:
     os.makedirs(nvme_path, exist_ok=True)
     return config(
         kind,
         block_classes=("ScaledLayer",) if kind == "buffers" else block_classes,
-        micro_bs=MICRO_BS,
+        micro_bs=micro_bs,
         grad_accum=grad_accum,
         dtype=dtype,
         offload_param="nvme",

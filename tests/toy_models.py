@@ -53,6 +53,47 @@ class SharedLinearNet(nn.Module):
         return out, None if targets is None else F.mse_loss(out, targets)
 
 
+class TwiceLayer(nn.Module):
+    """A block that calls its one linear layer twice."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(F.gelu(self.fc(x))))
+
+
+class ReadBackLayer(nn.Module):
+    """A block that calls its linear layer and also reads the layer's weight itself (`F.linear`)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x)) + 0.5 * F.linear(x, self.fc.weight)
+
+
+class TwiceWideNet(nn.Module):
+    """mlp_wide's shape with a `TwiceLayer` and a `ReadBackLayer` in the middle (blocks: MLPLayer, TwiceLayer,
+    ReadBackLayer, MLPLayer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLPLayer(16, 1024), TwiceLayer(1024), ReadBackLayer(1024), MLPLayer(1024, 1024)])
+        self.head = nn.Linear(1024, 8)
+        with torch.no_grad():  # a gentler start: the default init makes the first steps overshoot
+            self.layers[1].fc.weight.mul_(0.25)
+            self.layers[2].fc.weight.mul_(0.25)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
 class ScaledLayer(nn.Module):
     """A block with buffers used in forward: a fixed per-feature scale, a non-persistent position-id buffer
     and a running mean of |activation| that forward updates in training mode (as BatchNorm's stats)."""
@@ -267,6 +308,9 @@ GPT_KINDS = {
     "gpt": {},
     "gpt_functional_tie": {"tied_head_functional": True},  # wte.weight used through F.linear outside its module
     "gpt_checkpointed": {"activation_checkpointing": True},
+    # wide for the few tokens of a micro-batch: its blocks' weight gradients are kept as factors (linear_factors)
+    "gpt_wide": {"n_embd": 768, "n_head": 4},
+    "gpt_wide_checkpointed": {"n_embd": 768, "n_head": 4, "activation_checkpointing": True},
 }
 
 
@@ -283,6 +327,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return MLP(in_features=16, hidden=40, out_features=8, n_layers=3)
     if kind == "mlp4":
         return MLP(in_features=16, hidden=24, out_features=8, n_layers=4)
+    if kind == "mlp_wide":  # a few rows against 1024 features: the hidden layers' gradients are kept as factors
+        return MLP(in_features=16, hidden=1024, out_features=8, n_layers=3)
     if kind == "odd":  # 7x13, 5x7 ...: no size divides by 2, nor by the 1024-element shard alignment
         return MLP(in_features=13, hidden=7, out_features=5, n_layers=3)
     if kind == "frozen":
@@ -292,7 +338,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return model
     models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP,
               "lora": LoRANet, "lora_reentrant": ReentrantLoRANet, "embed_outside": EmbedOutsideNet,
-              "lora_cross": CrossLoRANet, "frozen_branch": FrozenBranchNet, "experts": ExpertNet}  # fmt: skip
+              "lora_cross": CrossLoRANet, "frozen_branch": FrozenBranchNet, "experts": ExpertNet,
+              "twice_wide": TwiceWideNet}  # fmt: skip
     return models[kind]()
 
 

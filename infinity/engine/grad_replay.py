@@ -9,7 +9,8 @@ outputs' gradient was. When the step reaches the block, its forward and backward
 weights of the step before (the shards the step is about to update), and the gradients are reduced and handed
 to the shard store as backward handed them: the same bytes, verified against the norm backward gave. One more
 forward and backward of each block replaces the disk's round trip, where the disk, not the compute, sets the
-step time.
+step time; where a micro-batch has few tokens for the block's width, one product per linear weight from the
+factors backward kept (`LinearFactors`) replaces even that.
 
 It applies with one micro-batch per step and where the gradients would wait on NVMe (`recompute_gradients`).
 A block's forward may read the persistent parameters (small ones, gathered for the whole pass), which the

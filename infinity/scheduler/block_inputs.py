@@ -9,7 +9,8 @@ it read no other block's or the root's (`param_access`), no input is a view of g
 was changed in place since, the call changed no buffer of the block (running statistics), and it was not
 called again. Running its forward again from those inputs with the same weights, RNG state and training
 modes, and backward from those output gradients, gives the parameter gradients its backward gave: the
-technique activation checkpointing relies on.
+technique activation checkpointing relies on. Where the call's linear layers kept their factors
+(`LinearFactors`), `recompute` multiplies those instead of running the block.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from infinity.partition.sharded_block import ShardedBlock
 from infinity.scheduler.gather_window import Phase
+from infinity.scheduler.linear_factors import LinearFactors
 
 # leaves other than tensors a captured call may take: values a later call cannot have changed
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
@@ -66,12 +68,21 @@ class BlockInputs:
         self._seen: set[int] = set()  # blocks called in the running training forward
         self._pass = 0  # training forwards begun
         self._handles = [model.register_forward_pre_hook(self._begin_pass)]
+        self.factors = LinearFactors(blocks, self._capturing_call, lambda: self._pass)
+        self.factored_blocks = 0  # replays that rebuilt the gradients from kept factors (a counter)
         for block in blocks:
             self._handles.append(block.module.register_forward_pre_hook(self._capture(block), with_kwargs=True))
             self._handles.append(block.module.register_forward_hook(self._watch_outputs(block)))
 
     def _capturing(self) -> bool:
         return self._phase() is Phase.FORWARD and torch.is_grad_enabled() and not _autocast_on()
+
+    def _capturing_call(self, block: ShardedBlock) -> int | None:
+        """The training pass whose call of `block` is being captured now (None if none is)."""
+        call = self._calls.get(block.index)
+        if not self._capturing() or block.index not in self._seen or call is None or call.why_not is not None:
+            return None
+        return call.training_pass if call.training_pass == self._pass else None
 
     def _begin_pass(self, module: nn.Module, args) -> None:
         if self._capturing():
@@ -84,6 +95,7 @@ class BlockInputs:
                 return
             if block.index in self._seen:  # called twice: its gradient is not one call's
                 self._calls[block.index].why_not = "it is called more than once in a forward"
+                self.factors.drop(block)
                 return
             self._seen.add(block.index)
             leaves, _ = tree_flatten((args, kwargs))
@@ -106,6 +118,7 @@ class BlockInputs:
                 [(m, m.training) for m in module.modules()],
                 why_not,
             )
+            self.factors.begin(block, self._pass)
 
         return hook
 
@@ -115,6 +128,7 @@ class BlockInputs:
 
     def _watch_outputs(self, block: ShardedBlock):
         def hook(module: nn.Module, args, output) -> object:
+            self.factors.end(block)
             call = self._calls.get(block.index)
             if not self._capturing() or call is None or call.why_not is not None:
                 return None
@@ -157,12 +171,15 @@ class BlockInputs:
         )
 
     def recompute(self, block: ShardedBlock) -> list[torch.Tensor | None]:
-        """The gradients of `block.trainable` (None where a parameter got none), computed again from the
-        captured call: the caller has put the weights of that call in place and suppressed the hooks
-        (`BlockScheduler.replaying`). Raises if the inputs changed since."""
+        """The gradients of `block.trainable` (None where a parameter got none), rebuilt from the factors kept
+        for the captured call, or computed again from the call: the caller has put the weights of that call in
+        place and suppressed the hooks (`BlockScheduler.replaying`). Raises if the inputs changed since."""
         call = self._calls.get(block.index)
         if call is None or call.why_not is not None:
             raise RuntimeError(f"block {block.name} has no forward call to recompute its gradient from")
+        if self.factors.ready(block, call.training_pass):
+            self.factored_blocks += 1
+            return self.factors.grads(block)
         for t, version in call.versions:
             if t._version != version:
                 raise RuntimeError(
@@ -201,12 +218,14 @@ class BlockInputs:
     def drop(self, block: ShardedBlock) -> None:
         """Forget `block`'s captured call (its gradient was recomputed): its inputs' memory can go."""
         self._calls.pop(block.index, None)
+        self.factors.drop(block)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._calls.clear()
+        self.factors.remove_hooks()
 
 
 @contextmanager

@@ -22,19 +22,22 @@ from infinity.partition.sharded_block import ShardedBlock
 
 
 class ParamAccessDict(dict):
-    """A module's `_parameters` that calls `on_read(block)` when a parameter of a block is read by name."""
+    """A module's `_parameters` that calls `on_read(block)` when a parameter of a block is read by name, and
+    counts the reads of each name (`reads`)."""
 
-    __slots__ = ("_block_of", "_on_read")
+    __slots__ = ("_block_of", "_on_read", "reads")
 
     def __init__(self, params: dict, block_of: dict[str, ShardedBlock], on_read: Callable[[ShardedBlock], None]):
         super().__init__(params)
         self._block_of = block_of
         self._on_read = on_read
+        self.reads: dict[str, int] = {}
 
     def __getitem__(self, name: str):
         value = dict.__getitem__(self, name)
         block = self._block_of.get(name)
         if block is not None:
+            self.reads[name] = self.reads.get(name, 0) + 1
             self._on_read(block)
         return value
 

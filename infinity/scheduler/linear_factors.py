@@ -1,0 +1,214 @@
+"""LinearFactors: a block's weight gradients kept as the two small matrices they are made of, where they are small.
+
+A linear layer's weight gradient is the product of its output's gradient and its input over every token
+(dY^T X). Where a call passes few tokens (a large model trained on a batch of a few rows, out of core), the two
+factors are a small fraction of the gradient's bytes, and one matrix product rebuilds it: the gradient replay
+(`BlockInputs.recompute`) then needs neither the block's forward nor the rest of its backward, which at that
+shape read every weight twice more than the product writes the gradient once.
+
+Kept for a block's captured call (`BlockInputs`) where every trainable parameter of the block that got a
+gradient is either the weight of an `nn.Linear` (its own forward) called once in the call and read by nothing
+else in it (`ParamAccessDict.reads`: a weight also read by other code may get gradient from there too), or
+one whose gradient itself is kept (norms, biases), and all of it is at most FACTOR_SHARE of the block's
+gradient bytes (so that all blocks' factors together stay a small part of the memory the gradients would
+take). Otherwise nothing is kept and the replay runs the block again. The product is the one autograd makes
+for the weight (the same matrix call on the same operands), and the replay's trial and norm check verify the
+result either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from infinity.partition.sharded_block import ShardedBlock
+from infinity.scheduler.param_access import ParamAccessDict
+
+# the most a block's factors may take, as a share of its gradient's bytes: all blocks' together, at most an eighth
+# of a byte per fp32 parameter
+FACTOR_SHARE = 1 / 32
+
+
+@dataclass
+class _Kept:
+    """One captured call's factors: (input, output gradient) per linear weight and the other gradients."""
+
+    training_pass: int
+    limit: int  # bytes
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # trainable index -> the linear's input
+    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # trainable index -> its output's gradient
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # trainable index -> a gradient kept as is
+    arrived: set[int] = field(default_factory=set)  # trainable indices whose gradient backward made
+    versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # factors and their versions when kept
+    weight_reads: dict[int, int] = field(default_factory=dict)  # linear weight index -> its reads before the call
+    nbytes: int = 0
+    why_not: str | None = None
+
+    def add_bytes(self, t: torch.Tensor) -> None:
+        self.nbytes += t.numel() * t.element_size()
+        if self.nbytes > self.limit:
+            self.give_up("its factors would take more than the share of its gradient they are kept within")
+
+    def give_up(self, why: str) -> None:
+        self.why_not = self.why_not or why
+        self.inputs.clear()
+        self.output_grads.clear()
+        self.grads.clear()
+        self.versions.clear()
+
+
+class LinearFactors:
+    """Keeps each block's weight-gradient factors for its captured call (see the module docstring)."""
+
+    def __init__(
+        self,
+        blocks: list[ShardedBlock],
+        capturing: Callable[[ShardedBlock], int | None],
+        current_pass: Callable[[], int],
+    ) -> None:
+        """`capturing(block)`: the training pass whose call of `block` is being captured now, or None;
+        `current_pass()`: the last training forward's (whose backward runs)."""
+        self._capturing = capturing
+        self._current_pass = current_pass
+        self._kept: dict[int, _Kept] = {}
+        self._limit: dict[int, int] = {}
+        self._linears: dict[int, list[tuple[nn.Module, int]]] = {}  # block -> (linear, its weight's index)
+        self._handles = []
+        for block in blocks:
+            index = {id(p): i for i, p in enumerate(block.trainable)}
+            self._limit[block.index] = int(
+                FACTOR_SHARE * sum(f.numel * f.full.element_size() for f in block.flats if f.requires_grad)
+            )
+            linears = self._linears.setdefault(block.index, [])
+            for module in block.module.modules() if block.module is not None else ():
+                weight = getattr(module, "weight", None)
+                if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and id(weight) in index:
+                    linears.append((module, index[id(weight)]))
+                    self._handles.append(module.register_forward_hook(self._on_linear(block, index[id(weight)])))
+            for i, p in enumerate(block.trainable):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad(block, i)))
+
+    def begin(self, block: ShardedBlock, training_pass: int) -> None:
+        """`block`'s call in `training_pass` begins and is captured: keep its factors."""
+        kept = _Kept(training_pass, self._limit[block.index])
+        for module, i in self._linears[block.index]:
+            if not isinstance(module._parameters, ParamAccessDict):
+                kept.give_up("the reads of its weights are not counted")
+                break
+            kept.weight_reads[i] = module._parameters.reads.get("weight", 0)
+        self._kept[block.index] = kept
+
+    def end(self, block: ShardedBlock) -> None:
+        """`block`'s captured call returned: a linear weight read more than its own forward read it may have
+        gradient from elsewhere, which its factors do not hold."""
+        kept = self._live(block)
+        if kept is None:
+            return
+        for module, i in self._linears[block.index]:
+            reads = module._parameters.reads.get("weight", 0) - kept.weight_reads[i]
+            if reads > (1 if i in kept.inputs else 0):
+                kept.give_up("a linear layer's weight is read by other code in its call")
+                return
+
+    def drop(self, block: ShardedBlock) -> None:
+        """Forget `block`'s factors (its gradient was recomputed, or its call can no longer be replayed)."""
+        self._kept.pop(block.index, None)
+
+    def _live(self, block: ShardedBlock) -> _Kept | None:
+        kept = self._kept.get(block.index)
+        if kept is None or kept.why_not is not None or self._capturing(block) != kept.training_pass:
+            return None
+        return kept
+
+    def _on_linear(self, block: ShardedBlock, index: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            kept = self._live(block)
+            if kept is None:
+                return
+            if index in kept.inputs:
+                kept.give_up("a linear layer of it is called more than once in a forward")
+                return
+            if not args or args[0].dim() < 2 or not output.requires_grad:
+                kept.give_up("a linear layer of it is called with a keyword, on a single row or without autograd")
+                return
+            x = args[0].detach()
+            shared = any(_same(x, other) for other in kept.inputs.values())  # q, k and v share their input
+            kept.inputs[index] = x
+            kept.versions.append((x, x._version))
+            if not shared:
+                kept.add_bytes(x)
+            kept.add_bytes(output)  # its gradient's, to come
+            output.register_hook(self._on_output_grad(kept, index))
+
+        return hook
+
+    @staticmethod
+    def _on_output_grad(kept: _Kept, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            if kept.why_not is None:
+                kept.output_grads[index] = grad
+                kept.versions.append((grad, grad._version))
+
+        return hook
+
+    def _on_grad(self, block: ShardedBlock, index: int):
+        def hook(param: torch.Tensor) -> None:
+            kept = self._kept.get(block.index)
+            if kept is None or kept.why_not is not None or kept.training_pass != self._current_pass():
+                return
+            kept.arrived.add(index)
+            if index in kept.inputs:
+                return
+            if param.grad is None:  # taken already (a reduction triggered by this very gradient)
+                kept.give_up("its gradients were reduced as they arrived")
+                return
+            if index not in kept.grads:
+                kept.add_bytes(param.grad)
+            kept.grads[index] = param.grad.detach().clone()
+
+        return hook
+
+    def ready(self, block: ShardedBlock, training_pass: int) -> bool:
+        """Whether `block`'s gradients from `training_pass`'s backward can be rebuilt by `grads`."""
+        kept = self._kept.get(block.index)
+        return (
+            kept is not None
+            and kept.why_not is None
+            and kept.training_pass == training_pass
+            and all(i in kept.output_grads for i in kept.arrived if i in kept.inputs)
+            and all(t._version == v for t, v in kept.versions)
+        )
+
+    def grads(self, block: ShardedBlock) -> list[torch.Tensor | None]:
+        """The gradients of `block.trainable` (None where backward made none), rebuilt from the factors kept."""
+        kept = self._kept[block.index]
+        out: list[torch.Tensor | None] = []
+        for i in range(len(block.trainable)):
+            if i not in kept.arrived:
+                out.append(None)
+            elif i in kept.inputs:
+                x, dy = kept.inputs[i], kept.output_grads[i]
+                # autograd's product for a linear weight: the output gradient's transpose times the input
+                out.append(dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
+            else:
+                out.append(kept.grads[i])
+        return out
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._kept.clear()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of the same elements."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
