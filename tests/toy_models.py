@@ -75,6 +75,38 @@ class ReadBackLayer(nn.Module):
         return F.gelu(self.fc(x)) + 0.5 * F.linear(x, self.fc.weight)
 
 
+class TiedLayer(nn.Module):
+    """A block whose linear weight is also its embedding's (tied), the embedding's share of its gradient small."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.emb = nn.Embedding(width, width)
+        self.emb.weight = self.fc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x)) + 1e-4 * self.emb(x.argmax(-1))
+
+
+class HookedWideNet(nn.Module):
+    """1024 features in; blocks: a `TiedLayer`, an MLPLayer whose linear has a forward hook doubling its output,
+    and one whose linear's forward is replaced on the instance (halving its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([TiedLayer(1024), MLPLayer(1024, 1024), MLPLayer(1024, 1024)])
+        self.head = nn.Linear(1024, 8)
+        self.layers[1].fc.register_forward_hook(lambda module, args, out: 2 * out)
+        plain = self.layers[2].fc.forward
+        self.layers[2].fc.forward = lambda x: plain(0.5 * x)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
 class TwiceWideNet(nn.Module):
     """mlp_wide's shape with a `TwiceLayer` and a `ReadBackLayer` in the middle (blocks: MLPLayer, TwiceLayer,
     ReadBackLayer, MLPLayer)."""
@@ -339,12 +371,12 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     models = {"reused": ReusedLayerNet, "shared_linear": SharedLinearNet, "buffers": BufferNet, "skipping": SkippingMLP,
               "lora": LoRANet, "lora_reentrant": ReentrantLoRANet, "embed_outside": EmbedOutsideNet,
               "lora_cross": CrossLoRANet, "frozen_branch": FrozenBranchNet, "experts": ExpertNet,
-              "twice_wide": TwiceWideNet}  # fmt: skip
+              "twice_wide": TwiceWideNet, "hooked_wide": HookedWideNet}  # fmt: skip
     return models[kind]()
 
 
 def io_sizes(kind: str) -> tuple[int, int]:
-    return (13, 5) if kind == "odd" else (16, 8)
+    return {"odd": (13, 5), "hooked_wide": (1024, 8)}.get(kind, (16, 8))
 
 
 def batches(

@@ -7,13 +7,15 @@ factors are a small fraction of the gradient's bytes, and one matrix product reb
 shape read every weight twice more than the product writes the gradient once.
 
 Kept for a block's captured call (`BlockInputs`) where every trainable parameter of the block that got a
-gradient is either the weight of an `nn.Linear` (its own forward) called once in the call and read by nothing
-else in it (`ParamAccessDict.reads`: a weight also read by other code may get gradient from there too), or
-one whose gradient itself is kept (norms, biases), and all of it is at most FACTOR_SHARE of the block's
-gradient bytes (so that all blocks' factors together stay a small part of the memory the gradients would
-take). Otherwise nothing is kept and the replay runs the block again. The product is the one autograd makes
-for the weight (the same matrix call on the same operands), and the replay's trial and norm check verify the
-result either way.
+gradient is either the weight of an `nn.Linear` (its class's forward, no other module holding the weight)
+called once in the call and its weight read by nothing else in it (`ParamAccessDict.reads`: other code may
+give it gradient too), or one whose gradient itself is kept (norms, biases), and all of it, counted as the
+storages it keeps alive, is at most FACTOR_SHARE of the block's gradient bytes (so that all blocks' factors
+together stay a small part of the memory the gradients would take). Otherwise nothing is kept and the replay
+runs the block again. The input is taken before any other forward hook of the linear layer sees the output,
+and the output's gradient as the layer's backward receives it (after any hook on the output changed it). The
+product is the one autograd makes for the weight (`weight_grad`: the same matrix call on the same operands),
+and the replay's trial and norm check verify the result either way.
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ class _Kept:
     arrived: set[int] = field(default_factory=set)  # trainable indices whose gradient backward made
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # factors and their versions when kept
     weight_reads: dict[int, int] = field(default_factory=dict)  # linear weight index -> its reads before the call
+    storages: set[int] = field(default_factory=set)  # the storages counted in nbytes
     nbytes: int = 0
     why_not: str | None = None
 
     def add_bytes(self, t: torch.Tensor) -> None:
-        self.nbytes += t.numel() * t.element_size()
+        """Count the memory `t` keeps alive: its whole storage (a view holds all of it), once."""
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.storages:
+            return
+        self.storages.add(storage.data_ptr())
+        self.nbytes += storage.nbytes()
         if self.nbytes > self.limit:
             self.give_up("its factors would take more than the share of its gradient they are kept within")
 
@@ -58,6 +66,7 @@ class _Kept:
         self.output_grads.clear()
         self.grads.clear()
         self.versions.clear()
+        self.storages.clear()
 
 
 class LinearFactors:
@@ -79,15 +88,23 @@ class LinearFactors:
         self._handles = []
         for block in blocks:
             index = {id(p): i for i, p in enumerate(block.trainable)}
+            uses = {id(p): slot.uses for f in block.flats for p, slot in zip(f.params, f.slots, strict=True)}
             self._limit[block.index] = int(
                 FACTOR_SHARE * sum(f.numel * f.full.element_size() for f in block.flats if f.requires_grad)
             )
             linears = self._linears.setdefault(block.index, [])
             for module in block.module.modules() if block.module is not None else ():
                 weight = getattr(module, "weight", None)
-                if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and id(weight) in index:
+                if (
+                    isinstance(module, nn.Linear)
+                    and type(module).forward is nn.Linear.forward
+                    and id(weight) in index
+                    and uses[id(weight)] == ((module, "weight"),)  # no other module holds it (a tied embedding)
+                ):
                     linears.append((module, index[id(weight)]))
-                    self._handles.append(module.register_forward_hook(self._on_linear(block, index[id(weight)])))
+                    # first of its forward hooks: the output as the layer made it, before a hook replaces it
+                    hook = module.register_forward_hook(self._on_linear(block, index[id(weight)]), prepend=True)
+                    self._handles.append(hook)
             for i, p in enumerate(block.trainable):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad(block, i)))
 
@@ -131,24 +148,27 @@ class LinearFactors:
             if index in kept.inputs:
                 kept.give_up("a linear layer of it is called more than once in a forward")
                 return
-            if not args or args[0].dim() < 2 or not output.requires_grad:
+            if "forward" in module.__dict__:  # a wrapper set on the instance: what it multiplies is not `args`
+                kept.give_up("a linear layer of it has its forward replaced")
+                return
+            if not args or args[0].dim() < 2 or output.grad_fn is None:
                 kept.give_up("a linear layer of it is called with a keyword, on a single row or without autograd")
                 return
             x = args[0].detach()
-            shared = any(_same(x, other) for other in kept.inputs.values())  # q, k and v share their input
             kept.inputs[index] = x
             kept.versions.append((x, x._version))
-            if not shared:
-                kept.add_bytes(x)
+            kept.add_bytes(x)  # once for q, k and v, which share their input
             kept.add_bytes(output)  # its gradient's, to come
-            output.register_hook(self._on_output_grad(kept, index))
+            # the gradient the layer's backward receives: after the output's own hooks, which may change it
+            output.grad_fn.register_prehook(self._on_output_grad(kept, index))
 
         return hook
 
     @staticmethod
     def _on_output_grad(kept: _Kept, index: int):
-        def hook(grad: torch.Tensor) -> None:
-            if kept.why_not is None:
+        def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
+            if kept.why_not is None and grads[0] is not None:
+                grad = grads[0].detach()
                 kept.output_grads[index] = grad
                 kept.versions.append((grad, grad._version))
 
@@ -179,6 +199,7 @@ class LinearFactors:
             and kept.why_not is None
             and kept.training_pass == training_pass
             and all(i in kept.output_grads for i in kept.arrived if i in kept.inputs)
+            and all(_pair(kept.inputs[i], kept.output_grads[i]) for i in kept.arrived if i in kept.inputs)
             and all(t._version == v for t, v in kept.versions)
         )
 
@@ -190,9 +211,7 @@ class LinearFactors:
             if i not in kept.arrived:
                 out.append(None)
             elif i in kept.inputs:
-                x, dy = kept.inputs[i], kept.output_grads[i]
-                # autograd's product for a linear weight: the output gradient's transpose times the input
-                out.append(dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
+                out.append(weight_grad(kept.inputs[i], kept.output_grads[i]))
             else:
                 out.append(kept.grads[i])
         return out
@@ -204,11 +223,12 @@ class LinearFactors:
         self._kept.clear()
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are views of the same elements."""
-    return (
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() == b.storage_offset()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )
+def weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """A linear weight's gradient from its input `x` and its output's gradient `dy` (any leading dimensions):
+    the product autograd makes for it, the output gradient's transpose times the input."""
+    return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+def _pair(x: torch.Tensor, dy: torch.Tensor) -> bool:
+    """Whether `x` and `dy` are one call's input and output gradient: one dtype, as many rows."""
+    return x.dtype == dy.dtype and x.numel() // x.shape[-1] == dy.numel() // dy.shape[-1]
