@@ -21,7 +21,7 @@ def timed_steps(
     sync = _synchronize(engine)
     for i in range(warmup + steps):
         x, y = next(data)
-        moved0, stall0 = dict(engine.bytes_moved), engine.stall_s
+        moved0, stall0, replays0 = dict(engine.bytes_moved), engine.stall_s, _replays(engine)
         io0, t0 = disk_io(), time.perf_counter()
         watch.phase = f"step {i} forward"
         _, loss = engine(x, y)
@@ -49,6 +49,9 @@ def timed_steps(
             "engine_bytes_moved": {
                 k: v - moved0.get(k, 0) for k, v in engine.bytes_moved.items() if v != moved0.get(k, 0)
             },
+            # blocks whose gradients were recomputed for this step's deferred update, and of those rebuilt from
+            # kept factors (`linear_factors`) rather than by running the block again
+            "replays": [now - before for now, before in zip(_replays(engine), replays0, strict=True)],
             "loss": loss_value,
             "rss_bytes": rss_bytes(),
             "sampled_peak_rss_by_phase": [
@@ -65,6 +68,12 @@ def timed_steps(
             f"(peak {peak_rss_bytes() / GiB:.2f})"
         )
     return records
+
+
+def _replays(engine: Any) -> tuple[int, int]:
+    """(blocks replayed, of those rebuilt from factors) so far."""
+    replay = getattr(engine, "grad_replay", None)
+    return (replay.replayed_blocks, replay.inputs.factored_blocks) if replay is not None else (0, 0)
 
 
 def _synchronize(engine: Any) -> Callable[[], None]:
