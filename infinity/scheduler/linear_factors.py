@@ -60,6 +60,12 @@ class _Kept:
         if self.nbytes > self.limit:
             self.give_up("its factors would take more than the share of its gradient they are kept within")
 
+    def add_excess(self, t: torch.Tensor) -> None:
+        """Count what `t`'s storage holds beyond `t` itself (its own bytes were counted ahead)."""
+        self.nbytes += max(0, t.untyped_storage().nbytes() - t.numel() * t.element_size())
+        if self.nbytes > self.limit:
+            self.give_up("its factors would take more than the share of its gradient they are kept within")
+
     def give_up(self, why: str) -> None:
         self.why_not = self.why_not or why
         self.inputs.clear()
@@ -125,7 +131,11 @@ class LinearFactors:
         if kept is None:
             return
         for module, i in self._linears[block.index]:
-            reads = module._parameters.reads.get("weight", 0) - kept.weight_reads[i]
+            counted = getattr(module._parameters, "reads", None)  # (none once the engine closed)
+            if counted is None:
+                kept.give_up("the reads of its weights are not counted")
+                return
+            reads = counted.get("weight", 0) - kept.weight_reads[i]
             if reads > (1 if i in kept.inputs else 0):
                 kept.give_up("a linear layer's weight is read by other code in its call")
                 return
@@ -158,7 +168,7 @@ class LinearFactors:
             kept.inputs[index] = x
             kept.versions.append((x, x._version))
             kept.add_bytes(x)  # once for q, k and v, which share their input
-            kept.add_bytes(output)  # its gradient's, to come
+            kept.add_bytes(output)  # its gradient's, to come (and what more its storage holds, as it comes)
             # the gradient the layer's backward receives: after the output's own hooks, which may change it
             output.grad_fn.register_prehook(self._on_output_grad(kept, index))
 
@@ -171,6 +181,7 @@ class LinearFactors:
                 grad = grads[0].detach()
                 kept.output_grads[index] = grad
                 kept.versions.append((grad, grad._version))
+                kept.add_excess(grad)  # a view of a larger gradient keeps all of it
 
         return hook
 
