@@ -88,42 +88,41 @@ class TiedLayer(nn.Module):
         return F.gelu(self.fc(x)) + 1e-4 * self.emb(x.argmax(-1))
 
 
-class HookedWideNet(nn.Module):
+class LayersThenHead(nn.Module):
+    """`layers` in turn, then a linear `head`, an MSE loss with `targets` (the wide nets below)."""
+
+    def __init__(self, layers: list[nn.Module], width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x)
+        return out, None if targets is None else F.mse_loss(out, targets)
+
+
+class HookedWideNet(LayersThenHead):
     """1024 features in; blocks: a `TiedLayer`, an MLPLayer whose linear has a forward hook doubling its output,
     and one whose linear's forward is replaced on the instance (halving its input)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([TiedLayer(1024), MLPLayer(1024, 1024), MLPLayer(1024, 1024)])
-        self.head = nn.Linear(1024, 8)
+        super().__init__([TiedLayer(1024), MLPLayer(1024, 1024), MLPLayer(1024, 1024)], 1024)
         self.layers[1].fc.register_forward_hook(lambda module, args, out: 2 * out)
         plain = self.layers[2].fc.forward
         self.layers[2].fc.forward = lambda x: plain(0.5 * x)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        for layer in self.layers:
-            x = layer(x)
-        out = self.head(x)
-        return out, None if targets is None else F.mse_loss(out, targets)
 
-
-class TwiceWideNet(nn.Module):
+class TwiceWideNet(LayersThenHead):
     """mlp_wide's shape with a `TwiceLayer` and a `ReadBackLayer` in the middle (blocks: MLPLayer, TwiceLayer,
     ReadBackLayer, MLPLayer)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([MLPLayer(16, 1024), TwiceLayer(1024), ReadBackLayer(1024), MLPLayer(1024, 1024)])
-        self.head = nn.Linear(1024, 8)
+        super().__init__([MLPLayer(16, 1024), TwiceLayer(1024), ReadBackLayer(1024), MLPLayer(1024, 1024)], 1024)
         with torch.no_grad():  # a gentler start: the default init makes the first steps overshoot
             self.layers[1].fc.weight.mul_(0.25)
             self.layers[2].fc.weight.mul_(0.25)
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        for layer in self.layers:
-            x = layer(x)
-        out = self.head(x)
-        return out, None if targets is None else F.mse_loss(out, targets)
 
 
 class ScaledLayer(nn.Module):
