@@ -56,13 +56,14 @@ class _Kept:
         if storage.data_ptr() in self.storages:
             return
         self.storages.add(storage.data_ptr())
-        self.nbytes += storage.nbytes()
-        if self.nbytes > self.limit:
-            self.give_up("its factors would take more than the share of its gradient they are kept within")
+        self._count(storage.nbytes())
 
     def add_excess(self, t: torch.Tensor) -> None:
         """Count what `t`'s storage holds beyond `t` itself (its own bytes were counted ahead)."""
-        self.nbytes += max(0, t.untyped_storage().nbytes() - t.numel() * t.element_size())
+        self._count(max(0, t.untyped_storage().nbytes() - t.numel() * t.element_size()))
+
+    def _count(self, nbytes: int) -> None:
+        self.nbytes += nbytes
         if self.nbytes > self.limit:
             self.give_up("its factors would take more than the share of its gradient they are kept within")
 
@@ -169,6 +170,8 @@ class LinearFactors:
             kept.versions.append((x, x._version))
             kept.add_bytes(x)  # once for q, k and v, which share their input
             kept.add_bytes(output)  # its gradient's, to come (and what more its storage holds, as it comes)
+            if kept.why_not is not None:
+                return
             # the gradient the layer's backward receives: after the output's own hooks, which may change it
             output.grad_fn.register_prehook(self._on_output_grad(kept, index))
 
@@ -196,9 +199,9 @@ class LinearFactors:
             if param.grad is None:  # taken already (a reduction triggered by this very gradient)
                 kept.give_up("its gradients were reduced as they arrived")
                 return
-            if index not in kept.grads:
-                kept.add_bytes(param.grad)
-            kept.grads[index] = param.grad.detach().clone()
+            kept.add_bytes(param.grad)
+            if kept.why_not is None:  # (not cloned where it would take more than the share)
+                kept.grads[index] = param.grad.detach().clone()
 
         return hook
 
