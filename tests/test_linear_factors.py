@@ -64,6 +64,8 @@ def _train(
     counts = {
         "replayed": replay.replayed_blocks if replay is not None else 0,
         "factored": replay.inputs.factored_blocks if replay is not None else 0,
+        "products": replay.inputs.factors.products if replay is not None else 0,
+        "in_place": replay.inputs.factors.products_in_place if replay is not None else 0,
         "blocks": len(engine.blocks),
     }
     engine.close()
@@ -75,11 +77,13 @@ def test_wide_blocks_rebuild_their_gradients_from_factors_bit_for_bit_as_backwar
     """Every replay of the wide blocks rebuilds the gradients from factors, the trial's included, with
     non-reentrant activation checkpointing in the blocks too (backward recomputes the saved tensors, but the
     outputs' gradients flow through the forward's own graph); mlp_wide's first block (16 features in, 1024 out)
-    would keep more than its share and runs again instead. The run is bit for bit the one whose gradients waited
-    on NVMe, and plain PyTorch's."""
+    would keep more than its share and runs again instead. Each weight's product is made in the memory its
+    gradient is handed over in. The run is bit for bit the one whose gradients waited on NVMe, and plain
+    PyTorch's."""
     on = _train(kind, str(tmp_path / "on"))
     assert on["replayed"] == STEPS * on["blocks"]
     assert on["factored"] == STEPS * (on["blocks"] - narrow)
+    assert on["in_place"] == on["products"] > 0  # each made in the memory it is handed over in (fp32 both)
     off = _train(kind, str(tmp_path / "off"), recompute=False)
     assert off["replayed"] == 0
     assert on["losses"] == off["losses"]
@@ -96,6 +100,7 @@ def test_on_two_ranks_each_rebuilds_its_own_gradients_and_the_reduction_trains_a
     on = run_distributed(_two_ranks, 2, "gpt_wide", str(tmp_path / "on"), True, timeout_s=240)
     for r in on:
         assert r["factored"] == r["replayed"] == STEPS * r["blocks"]
+        assert r["in_place"] == r["products"] > 0  # in the reduce-scatter's input
     off = run_distributed(_two_ranks, 2, "gpt_wide", str(tmp_path / "off"), False, timeout_s=240)
     assert [r["losses"] for r in on] == [r["losses"] for r in off]
     for key, value in on[0]["state"].items():

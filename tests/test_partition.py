@@ -7,6 +7,7 @@ import pytest
 import torch
 from harness import config, placement_of
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from toy_models import SharedLinearNet, make_model
 
 from infinity.comm import CommGroup
@@ -191,6 +192,39 @@ def test_grads_into_with_accumulate_adds_and_leaves_the_rest_as_it_was():
     assert torch.equal(out[12:17], torch.full((5,), 7.0))
     assert torch.equal(out[17:19], torch.tensor([6.0, 5.0]))
     assert torch.equal(out[19:], torch.full((flat.padded_numel - 19,), 7.0))
+
+
+def test_a_gradient_made_in_its_piece_of_the_flat_is_not_copied_and_the_others_are():
+    """A replay makes some gradients in the flat they are handed over in (`GradientReplay`): those are left
+    alone (no copy of their bytes), the rest are copied, and a gradient equal to its piece elsewhere is copied."""
+    flat, out = _flat_with_grads()
+    a = flat.params[0]
+    a.grad = out[:12].view(3, 4)
+    a.grad.copy_(torch.arange(12.0).view(3, 4))
+    copies = _CopyCount()
+    with copies:
+        assert flat.grads_into(out, accumulate=False)
+    assert copies.numels == [2]  # c's only: a was made there
+    assert torch.equal(out[:12], torch.arange(12.0))
+    assert not out[12:17].any() and not out[19:].any()
+    assert torch.equal(out[17:19], torch.tensor([-1.0, -2.0]))
+    a.grad = out[:12].clone().view(3, 4)  # same values, its own memory
+    with copies:
+        flat.grads_into(out, accumulate=False)
+    assert copies.numels == [2, 12, 2]
+
+
+class _CopyCount(TorchDispatchMode):
+    """The number of elements of each copy made meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.numels.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
 
 
 def test_without_any_gradient_grads_into_touches_nothing_and_says_so():

@@ -91,17 +91,28 @@ class GradReducer:
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_elems = 0
 
-    def reduce_block(self, block: ShardedBlock, final: bool) -> None:
-        """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step."""
+    def grad_buffer(self, flat: FlatParam) -> torch.Tensor | None:
+        """The padded flat `reduce_block` will hand `flat`'s gradients over in (the reduction's input, or one
+        rank's copy for the optimizer), for a caller that makes them there itself; None where there is none."""
+        if self.comm.world_size == 1:
+            return self.optimizer.local_grad_buffer(flat)
+        return self.comm.buffers.take(flat.padded_numel, self.reduce_dtype, flat.full.device)
+
+    def reduce_block(
+        self, block: ShardedBlock, final: bool, buffers: dict[FlatParam, torch.Tensor] | None = None
+    ) -> None:
+        """Hand the block's gradients over and free them; `final` marks the last micro-batch before a step.
+        `buffers`: flats' `grad_buffer`s, taken ahead, that hold some of their gradients already (as views)."""
         trainable = [flat for flat in block.flats if flat.requires_grad]
+        buffers = buffers or {}
         presence = self._presence(block.name, trainable, final)
         if self.comm.world_size == 1:
             for flat in trainable:
-                self.optimizer.accumulate_local_grads(flat, final)
+                self.optimizer.accumulate_local_grads(flat, final, buffers.get(flat))
                 flat.clear_grads()
             return
         for flat, present in zip(trainable, presence, strict=True):
-            self._issue(block.name, flat, final, present)
+            self._issue(block.name, flat, final, present, buffers.get(flat))
             flat.clear_grads()
             # hand over what has arrived (its buffers go at once); wait only past the bucket
             while self._in_flight and (
@@ -115,10 +126,16 @@ class GradReducer:
             self._complete_oldest()
 
     def _issue(
-        self, block_name: str, flat: FlatParam, final: bool, present: tuple[torch.Tensor, object] | None
+        self,
+        block_name: str,
+        flat: FlatParam,
+        final: bool,
+        present: tuple[torch.Tensor, object] | None,
+        full: torch.Tensor | None,
     ) -> None:
         device = flat.full.device
-        full = self.comm.buffers.take(flat.padded_numel, self.reduce_dtype, device)
+        if full is None:
+            full = self.grad_buffer(flat)
         if flat.flat_grad(full) is None:  # every rank joins the collective, with or without gradients
             full.zero_()
         if self.scaling.before != 1.0:

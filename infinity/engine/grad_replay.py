@@ -150,12 +150,13 @@ class GradientReplay:
                 else:
                     f.unshard(shard)
                 gathered.append(f)
+            buffers = self._grad_buffers(block)
             with self.scheduler.replaying(), self._persistent_in_place():
-                grads = self.inputs.recompute(block)
+                grads = self.inputs.recompute(block, _views(block, buffers))
             for p, g in zip(block.trainable, grads, strict=True):
                 p.grad = g
             with self.optimizer.replaying():
-                self.reducer.reduce_block(block, final=True)
+                self.reducer.reduce_block(block, final=True, buffers=buffers)
                 self.reducer.flush()
         finally:
             for p in block.trainable:
@@ -172,6 +173,14 @@ class GradientReplay:
         if not self.shards.replays_owed():  # the last one: the copies can go
             self._persistent_weights = {}
         self.prof.compute(f"{block.name} (gradient replay)", start, time.perf_counter_ns())
+
+    def _grad_buffers(self, block: ShardedBlock) -> dict[FlatParam, torch.Tensor]:
+        """Where a replay from factors makes the gradients: the memory the reducer hands them over in, taken
+        ahead (a rerun's backward makes its own: the buffers would only add to its peak)."""
+        if not self.inputs.from_factors(block):
+            return {}
+        taken = {f: self.reducer.grad_buffer(f) for f in block.flats if f.requires_grad}
+        return {f: buffer for f, buffer in taken.items() if buffer is not None}
 
     def remove_hooks(self) -> None:
         self.inputs.remove_hooks()
@@ -192,3 +201,14 @@ class GradientReplay:
             for f, data in zip(flats, now, strict=True):
                 for p, d in zip(f.params, data, strict=True):
                     p.data = d
+
+
+def _views(block: ShardedBlock, buffers: dict[FlatParam, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Trainable index -> its parameter's piece of its flat's buffer, in the parameter's shape."""
+    index = {id(p): i for i, p in enumerate(block.trainable)}
+    views = {}
+    for flat, buffer in buffers.items():
+        for slot, p in zip(flat.slots, flat.params, strict=True):
+            if id(p) in index:
+                views[index[id(p)]] = buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return views

@@ -84,14 +84,15 @@ class ShardedAdam(torch.optim.Optimizer):
         if not self._replaying:
             self.shards.note_grad_presence(flat, present)
 
-    def accumulate_local_grads(self, flat: FlatParam, final: bool = True) -> None:
+    def accumulate_local_grads(self, flat: FlatParam, final: bool = True, out: torch.Tensor | None = None) -> None:
         """One rank, nothing to reduce: the parameters' gradients go straight into the accumulator when it
         is in the compute's memory (one pass), else through one flat copy; where only their norm is kept (the
-        step recomputes them), it is read from them."""
+        step recomputes them), it is read from them. `out`: `local_grad_buffer(flat)`, taken ahead and holding
+        some of the gradients already (written there as views: those are not copied again)."""
         if self._replaying and not self.shards.expects_replayed_grad(flat):
             return
-        acc = self.shards.grad_accumulator(flat)
-        if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
+        acc = self._accumulator_in_compute_memory(flat, final)
+        if acc is not None:
             if final:
                 self._final_grad_arrives()
             if flat.grads_into(acc, accumulate=self.shards.records[flat].has_grad):
@@ -101,16 +102,29 @@ class ShardedAdam(torch.optim.Optimizer):
             self._final_grad_arrives()
             if self.shards.owe_replay_of_params(flat):  # only its norm is kept (its step recomputes it): no flat
                 return
-        # a host flat is 4 KiB-aligned so that an NVMe accumulator writes it in place (no staging copy), in
-        # the dtype the accumulator keeps, on memory reused step after step (one rank's reduction buffer):
-        # fresh memory costs the kernel's zeroing on first touch, the largest part of this copy
-        dtype = self.shards.placement.grad_dtype
-        out = None
-        if flat.full.device.type == "cpu":
-            out = self.shards.comm.buffers.take(flat.padded_numel, dtype, flat.full.device, align=ALIGN)
-        full = flat.flat_grad(out)
+        full = flat.flat_grad(out if out is not None else self.local_grad_buffer(flat, final))
         if full is not None:
             self.accumulate_grad(flat, full, final)
+
+    def local_grad_buffer(self, flat: FlatParam, final: bool = True) -> torch.Tensor | None:
+        """The padded flat `accumulate_local_grads` copies `flat`'s gradients into, for a caller that makes them
+        there itself (a replay's products); None where they go straight into an accumulator instead. On a
+        device it is fp32. On the host it is 4 KiB-aligned so that an NVMe accumulator writes it in place (no
+        staging copy), in the dtype the accumulator keeps, on memory reused step after step (one rank's
+        reduction buffer): fresh memory costs the kernel's zeroing on first touch, the largest part of a copy."""
+        if self._accumulator_in_compute_memory(flat, final) is not None:
+            return None
+        if flat.full.device.type != "cpu":
+            return torch.empty(flat.padded_numel, dtype=torch.float32, device=flat.full.device)
+        dtype = self.shards.placement.grad_dtype
+        return self.shards.comm.buffers.take(flat.padded_numel, dtype, flat.full.device, align=ALIGN)
+
+    def _accumulator_in_compute_memory(self, flat: FlatParam, final: bool) -> torch.Tensor | None:
+        """`flat`'s gradient accumulator where the gradients are summed into it in place (one pass)."""
+        acc = self.shards.grad_accumulator(flat)
+        if acc is not None and acc.device == flat.full.device and not (final and self.step_in_backward):
+            return acc
+        return None
 
     @contextmanager
     def replaying(self) -> Iterator[None]:

@@ -167,7 +167,8 @@ class FlatParam:
     @torch.no_grad()
     def grads_into(self, out: torch.Tensor, accumulate: bool) -> bool:
         """Write (or with `accumulate`, add) the parameters' gradients into the padded flat `out`, in one
-        pass; returns False, touching nothing, when no parameter has a gradient."""
+        pass; returns False, touching nothing, when no parameter has a gradient. A gradient that is its piece of
+        `out` already (made there) is left as it is."""
         if not any(p.grad is not None for p in self.params):
             return False
         for slot, p in zip(self.slots, self.params, strict=True):
@@ -175,6 +176,8 @@ class FlatParam:
             if p.grad is None:
                 if not accumulate:
                     piece.zero_()
+            elif not accumulate and _is_piece(p.grad, piece):
+                continue
             elif accumulate:
                 piece.add_(p.grad.reshape(-1))
             else:
@@ -198,3 +201,14 @@ class FlatParam:
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full flat buffer (any dtype) into tensors keyed by parameter fqn."""
         return {s.fqn: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+
+def _is_piece(grad: torch.Tensor, piece: torch.Tensor) -> bool:
+    """Whether `grad` is the memory of the flat `piece` (as many elements, contiguous, at its address)."""
+    return (
+        grad.is_contiguous()
+        and grad.numel() == piece.numel()
+        and grad.dtype == piece.dtype
+        and grad.device == piece.device
+        and grad.data_ptr() == piece.data_ptr()
+    )

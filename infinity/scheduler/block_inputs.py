@@ -15,7 +15,7 @@ technique activation checkpointing relies on. Where the call's linear layers kep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -170,16 +170,24 @@ class BlockInputs:
             and not self._reads_across(block)
         )
 
-    def recompute(self, block: ShardedBlock) -> list[torch.Tensor | None]:
+    def from_factors(self, block: ShardedBlock) -> bool:
+        """Whether `recompute` will rebuild `block`'s gradients from the factors kept (not run the block again)."""
+        call = self._calls.get(block.index)
+        return call is not None and call.why_not is None and self.factors.ready(block, call.training_pass)
+
+    def recompute(
+        self, block: ShardedBlock, into: Mapping[int, torch.Tensor] | None = None
+    ) -> list[torch.Tensor | None]:
         """The gradients of `block.trainable` (None where a parameter got none), rebuilt from the factors kept
         for the captured call, or computed again from the call: the caller has put the weights of that call in
-        place and suppressed the hooks (`BlockScheduler.replaying`). Raises if the inputs changed since."""
+        place and suppressed the hooks (`BlockScheduler.replaying`). Raises if the inputs changed since.
+        `into`: trainable index -> memory of the parameter's shape where its rebuilt gradient may be made."""
         call = self._calls.get(block.index)
         if call is None or call.why_not is not None:
             raise RuntimeError(f"block {block.name} has no forward call to recompute its gradient from")
         if self.factors.ready(block, call.training_pass):
             self.factored_blocks += 1
-            return self.factors.grads(block)
+            return self.factors.grads(block, into or {})
         for t, version in call.versions:
             if t._version != version:
                 raise RuntimeError(

@@ -20,7 +20,7 @@ and the replay's trial and norm check verify the result either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +93,8 @@ class LinearFactors:
         self._limit: dict[int, int] = {}
         self._linears: dict[int, list[tuple[nn.Module, int]]] = {}  # block -> (linear, its weight's index)
         self._handles = []
+        self.products = 0  # weight gradients rebuilt (a counter)
+        self.products_in_place = 0  # of them, made in the memory they are handed over in
         for block in blocks:
             index = {id(p): i for i, p in enumerate(block.trainable)}
             uses = {id(p): slot.uses for f in block.flats for p, slot in zip(f.params, f.slots, strict=True)}
@@ -217,15 +219,24 @@ class LinearFactors:
             and all(t._version == v for t, v in kept.versions)
         )
 
-    def grads(self, block: ShardedBlock) -> list[torch.Tensor | None]:
-        """The gradients of `block.trainable` (None where backward made none), rebuilt from the factors kept."""
+    def grads(self, block: ShardedBlock, into: Mapping[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradients of `block.trainable` (None where backward made none), rebuilt from the factors kept; a
+        weight's product is made in `into[i]` where given in its dtype (the memory its gradient is handed over
+        in: no fresh memory and no copy)."""
         kept = self._kept[block.index]
         out: list[torch.Tensor | None] = []
         for i in range(len(block.trainable)):
             if i not in kept.arrived:
                 out.append(None)
             elif i in kept.inputs:
-                out.append(weight_grad(kept.inputs[i], kept.output_grads[i]))
+                x, dy = kept.inputs[i], kept.output_grads[i]
+                home = into.get(i)
+                self.products += 1
+                if home is not None and home.dtype == x.dtype and home.is_contiguous():
+                    self.products_in_place += 1
+                    out.append(weight_grad(x, dy, out=home))
+                else:
+                    out.append(weight_grad(x, dy))
             else:
                 out.append(kept.grads[i])
         return out
@@ -237,10 +248,12 @@ class LinearFactors:
         self._kept.clear()
 
 
-def weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def weight_grad(x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A linear weight's gradient from its input `x` and its output's gradient `dy` (any leading dimensions):
-    the product autograd makes for it, the output gradient's transpose times the input."""
-    return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+    the product autograd makes for it, the output gradient's transpose times the input; made in `out` if given
+    (the weight's shape and the factors' dtype)."""
+    dy, x = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    return dy.mm(x) if out is None else torch.mm(dy, x, out=out)
 
 
 def _pair(x: torch.Tensor, dy: torch.Tensor) -> bool:
