@@ -47,15 +47,26 @@ def test_the_product_of_the_factors_is_the_weight_gradient_autograd_makes_bit_fo
     dy = torch.randn_like(y)
     y.backward(dy)
     assert torch.equal(weight_grad(x.detach(), dy), linear.weight.grad)
+    flat = torch.full((3 + linear.weight.numel() + 5,), float("nan"), dtype=dtype)  # a reused buffer, at an offset
+    piece = flat[3 : 3 + linear.weight.numel()].view_as(linear.weight)
+    assert weight_grad(x.detach(), dy, out=piece) is piece
+    assert torch.equal(piece, linear.weight.grad)
 
 
 def _train(
-    kind: str, path: str, recompute: bool = True, blocks: tuple[str, ...] | None = None, steps: int = STEPS
+    kind: str,
+    path: str,
+    recompute: bool = True,
+    blocks: tuple[str, ...] | None = None,
+    steps: int = STEPS,
+    dtype: str = "fp32",
+    extra: dict | None = None,
 ) -> dict:
     """Train `kind` with one row per micro-batch on this rank (16 tokens for the GPTs) under a host budget,
     clipping, parameters and optimizer on NVMe; with the counts of replays and of those rebuilt from factors."""
     rank, world = rank_and_world()
-    cfg = _config(kind, path, recompute=recompute, block_classes=blocks, micro_bs=1)
+    cfg = _config(kind, path, recompute=recompute, block_classes=blocks, micro_bs=1, dtype=dtype)
+    cfg.update(extra or {})
     cfg["zero_optimization"]["host_budget_bytes"] = BUDGET  # a wide block streams through, its gradients wait on NVMe
     engine, _, _, _ = infinity.initialize(model=make_model(kind), config=cfg)
     losses = train_steps(engine, batches(kind, 1, rank=rank, world_size=world), steps)
@@ -106,6 +117,24 @@ def test_on_two_ranks_each_rebuilds_its_own_gradients_and_the_reduction_trains_a
     for key, value in on[0]["state"].items():
         assert torch.equal(value, off[0]["state"][key]), key
     _matches_plain_pytorch(on, "gpt_wide")
+
+
+def _two_ranks_bf16_sent_in_fp32(path: str, recompute: bool) -> dict:
+    extra = {"communication_data_type": "fp32"}
+    return _train("gpt_wide", f"{path}/rank{torch.distributed.get_rank()}", recompute, dtype="bf16", extra=extra)
+
+
+def test_products_in_another_dtype_than_the_reduction_are_made_apart_and_handed_over_as_before(tmp_path):
+    """bf16 compute, gradients reduced in fp32: no product can be made in the reduction's input, so none is, and
+    the run is bit for bit the one whose gradients waited on NVMe."""
+    on = run_distributed(_two_ranks_bf16_sent_in_fp32, 2, str(tmp_path / "on"), True, timeout_s=240)
+    for r in on:
+        assert r["factored"] == r["replayed"] == STEPS * r["blocks"]
+        assert r["products"] > 0 and r["in_place"] == 0
+    off = run_distributed(_two_ranks_bf16_sent_in_fp32, 2, str(tmp_path / "off"), False, timeout_s=240)
+    assert [r["losses"] for r in on] == [r["losses"] for r in off]
+    for key, value in on[0]["state"].items():
+        assert torch.equal(value, off[0]["state"][key]), key
 
 
 def _matches_plain_pytorch(results: list[dict], kind: str, steps: int = STEPS) -> None:

@@ -176,11 +176,20 @@ class GradientReplay:
 
     def _grad_buffers(self, block: ShardedBlock) -> dict[FlatParam, torch.Tensor]:
         """Where a replay from factors makes the gradients: the memory the reducer hands them over in, taken
-        ahead (a rerun's backward makes its own: the buffers would only add to its peak)."""
+        ahead, where it is in the compute's dtype and memory (a rerun's backward makes its own, as do products
+        in another dtype: the buffers would only add to the peak)."""
         if not self.inputs.from_factors(block):
             return {}
-        taken = {f: self.reducer.grad_buffer(f) for f in block.flats if f.requires_grad}
-        return {f: buffer for f, buffer in taken.items() if buffer is not None}
+        taken = {
+            f: self.reducer.grad_buffer(f)
+            for f in block.flats
+            if f.requires_grad and self.shards.expects_replayed_grad(f)
+        }
+        return {
+            f: buffer
+            for f, buffer in taken.items()
+            if buffer is not None and buffer.dtype == f.full.dtype and buffer.device == f.full.device
+        }
 
     def remove_hooks(self) -> None:
         self.inputs.remove_hooks()

@@ -232,7 +232,7 @@ class LinearFactors:
                 x, dy = kept.inputs[i], kept.output_grads[i]
                 home = into.get(i)
                 self.products += 1
-                if home is not None and home.dtype == x.dtype and home.is_contiguous():
+                if home is not None and _fits(home, x):
                     self.products_in_place += 1
                     out.append(weight_grad(x, dy, out=home))
                 else:
@@ -254,6 +254,14 @@ def weight_grad(x: torch.Tensor, dy: torch.Tensor, out: torch.Tensor | None = No
     (the weight's shape and the factors' dtype)."""
     dy, x = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
     return dy.mm(x) if out is None else torch.mm(dy, x, out=out)
+
+
+def _fits(home: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a product of `x`'s dtype can be made in `home` with the bits of one made in fresh memory: same
+    dtype and device, contiguous; on a GPU 256-byte aligned as fresh memory is (a BLAS may choose its kernel,
+    and so its order of sums, by the output's alignment; on this CPU, checked, it does not)."""
+    aligned = home.device.type == "cpu" or home.data_ptr() % 256 == 0
+    return home.dtype == x.dtype and home.device == x.device and home.is_contiguous() and aligned
 
 
 def _pair(x: torch.Tensor, dy: torch.Tensor) -> bool:
