@@ -187,3 +187,29 @@ def test_fp16_on_the_gpu_recomputes_the_loss_scaled_gradients(tmp_path):
     on, off = runs
     assert on["rejected"] == {} and on["replayed"] > 0 and off["replayed"] == 0
     _assert_same_training(on, off, "fp16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset_bytes", [0, 256, 4, 12])
+def test_a_weight_gradient_made_in_a_piece_of_a_gpu_flat_is_the_one_autograd_makes(dtype, offset_bytes):
+    """A replay makes a weight's product in its piece of the hand-over flat where `_fits` allows (on a GPU, at
+    a 256-byte aligned address): there it must have autograd's bits; at other addresses it is made apart, and
+    this says whether cuBLAS would have given the same bits there too (the guard's reason)."""
+    from infinity.scheduler.linear_factors import _fits, weight_grad
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(768, 3072, bias=False, device="cuda", dtype=dtype)
+    x = torch.randn(2, 16, 768, device="cuda", dtype=dtype)
+    y = linear(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    skip = offset_bytes // x.element_size()
+    flat = torch.full((skip + linear.weight.numel(),), float("nan"), device="cuda", dtype=dtype)
+    piece = flat[skip:].view_as(linear.weight)
+    assert _fits(piece, x) == (offset_bytes % 256 == 0)
+    weight_grad(x, dy, out=piece)
+    if _fits(piece, x):
+        assert torch.equal(piece, linear.weight.grad)
+    else:  # made apart in the replay; report what in place would have given
+        assert torch.isfinite(piece).all()
+        print(f"unaligned by {offset_bytes} bytes: bit-equal {torch.equal(piece, linear.weight.grad)}")
