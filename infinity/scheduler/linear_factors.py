@@ -221,8 +221,8 @@ class LinearFactors:
 
     def grads(self, block: ShardedBlock, into: Mapping[int, torch.Tensor]) -> list[torch.Tensor | None]:
         """The gradients of `block.trainable` (None where backward made none), rebuilt from the factors kept; a
-        weight's product is made in `into[i]` where given in its dtype (the memory its gradient is handed over
-        in: no fresh memory and no copy)."""
+        weight's product is made in `into[i]` where given and it fits there (`_fits`): the memory its gradient
+        is handed over in, so no fresh memory and no copy."""
         kept = self._kept[block.index]
         out: list[torch.Tensor | None] = []
         for i in range(len(block.trainable)):
