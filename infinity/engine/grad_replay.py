@@ -217,7 +217,7 @@ def _views(block: ShardedBlock, buffers: dict[FlatParam, torch.Tensor]) -> dict[
     index = {id(p): i for i, p in enumerate(block.trainable)}
     views = {}
     for flat, buffer in buffers.items():
-        for slot, p in zip(flat.slots, flat.params, strict=True):
+        for p, view in zip(flat.params, flat.unflatten(buffer).values(), strict=True):
             if id(p) in index:
-                views[index[id(p)]] = buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                views[index[id(p)]] = view
     return views
