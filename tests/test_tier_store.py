@@ -415,6 +415,32 @@ def test_a_done_write_holds_nothing_of_its_source_while_the_mover_finishes(disk_
             store.release(home, "host")
 
 
+def test_a_fetch_of_a_key_dropped_and_put_again_meanwhile_waits_for_the_new_put(disk_dir: Path, monkeypatch) -> None:
+    """A key dropped and put again between a fetch's start and its load: the fetch is of the new key and waits for
+    the put's write into the new home copy (before, it took the dropped key's state and handed over the new home
+    buffer while that write was still queued: recycled bytes, the mixed-moves test's rare failure)."""
+    with _store(disk_dir, host_bytes=MiB) as store:
+        store.put("k", torch.full((5000,), 1.0), "host").wait()
+        gate = threading.Event()
+        store._completer.submit(lambda: gate.wait(10))  # the mover is busy: the put below stays queued
+        load = store._load
+
+        def drop_and_put_first(*args, **kwargs):
+            monkeypatch.setattr(store, "_load", load)
+            store.drop("k")
+            store.put("k", torch.full((5000,), 2.0), "host")
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(store, "_load", drop_and_put_first)
+        try:
+            handle = store.fetch("k", "host")
+            assert not handle.done()  # the new home's contents are still on their way
+        finally:
+            gate.set()
+        assert torch.equal(handle.wait(), torch.full((5000,), 2.0))
+        store.release("k", "host")
+
+
 def test_mixed_concurrent_moves_keep_every_key_whole_and_every_budget(disk_dir: Path) -> None:
     """Readers, writers, prefetch, evict and drop/put race for 3 s; each read sees one whole version."""
     budgets = {"device_bytes": 2 * MiB, "host_bytes": 6 * MiB, "nvme_bytes": 64 * MiB}

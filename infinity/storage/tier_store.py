@@ -163,10 +163,11 @@ class TierStore(TierMover):
         `release(key, tier)`; a fetch whose wait() raised holds none. Waits while the tier is full.
         """
         tier = self._target(tier)
-        with self._lock:
-            shard = self._get(key)
         copy = self._load(key, tier, wait=True, prefetched=False, hold=True)
         with self._lock:  # a later write sees this reference and refuses; an earlier one is waited for
+            # The shard is looked up only now: the key may have been dropped and put again before the load, and
+            # the put's write into the new home copy may still run. The reference held stops any further drop.
+            shard = self._get(key)
             return FetchHandle(shard, copy, shard.write_op if copy.home else None)
 
     def fetch_to_overwrite(self, key: Hashable, tier: Tier | str) -> torch.Tensor:
