@@ -14,6 +14,7 @@ from infinity.config import AioConfig, ConfigError, OffloadOptimizerConfig, Offl
 from infinity.storage import (
     ALIGN,
     BudgetError,
+    ChecksumError,
     ListRecorder,
     Tier,
     TierBudgets,
@@ -439,6 +440,113 @@ def test_a_fetch_of_a_key_dropped_and_put_again_meanwhile_waits_for_the_new_put(
             gate.set()
         assert torch.equal(handle.wait(), torch.full((5000,), 2.0))
         store.release("k", "host")
+
+
+def _refs(store: TierStore, key) -> dict[str, int]:
+    return {c.tier.value: c.refs for c in store._shards[key].copies.values()}
+
+
+def test_a_device_fetch_retried_after_its_host_source_went_waits_for_memory_outside_the_lock(
+    disk_dir: Path, monkeypatch
+) -> None:
+    """The host copy a device copy was to come from is freed while the device buffer is allocated: the retry
+    stages a new host copy and waits for host memory. It waited holding the store's lock, so the release that
+    would end the wait (and the mover) blocked until it timed out."""
+    with _store(disk_dir, host_bytes=MiB, device_bytes=8 * MiB) as store:
+        store.put("k", torch.full((100_000,), 1.0), "nvme").wait()  # 400 kB
+        store.put("filler", torch.full((175_000,), 2.0), "nvme").wait()  # 700 kB: the two never fit together
+        store.fetch("k", "host").wait()
+        store.release("k", "host")  # cached: the device fetch copies from it, staging nothing
+        alloc = store._alloc
+
+        def source_gone_meanwhile(tier, *args, **kwargs):
+            if tier is Tier.DEVICE:
+                monkeypatch.setattr(store, "_alloc", alloc)
+                store.evict("k")  # the host copy goes (as a reclaim for another fetch frees it)
+                store.fetch("filler", "host").wait()  # and its memory is taken
+
+                def release_once_waited_for() -> None:
+                    while not store._mem[Tier.HOST].waiting:
+                        time.sleep(0.001)
+                    store.release("filler", "host")
+
+                threading.Thread(target=release_once_waited_for, daemon=True).start()
+            return alloc(tier, *args, **kwargs)
+
+        monkeypatch.setattr(store, "_alloc", source_gone_meanwhile)
+        assert torch.equal(store.fetch("k", "device").wait(), torch.full((100_000,), 1.0))  # was a BudgetError
+        store.release("k", "device")
+
+
+def test_a_device_load_that_gets_no_memory_lets_go_of_its_staged_host_copy(disk_dir: Path) -> None:
+    with _store(disk_dir, device_bytes=MiB // 2, host_bytes=8 * MiB) as store:
+        store.put("k", torch.full((200_000,), 2.0), "nvme").wait()  # 800 kB: fits the host, never the device
+        with pytest.raises(BudgetError, match="can never fit"):
+            store.prefetch(["k"], "device")
+        with pytest.raises(BudgetError, match="can never fit"):
+            store.fetch("k", "device")
+        store._completer.flush()
+        assert _refs(store, "k") == {"host": 0}  # cached, held by nobody (was 1, then 2: never freed)
+        store.drop("k")
+
+
+def test_moving_a_home_down_to_a_full_nvme_budget_lets_go_of_its_host_copy(disk_dir: Path) -> None:
+    with _store(disk_dir, host_bytes=8 * MiB, nvme_bytes=MiB) as store:
+        store.put("fill", torch.full((MiB // 4,), 1.0), "nvme").wait()  # the NVMe budget is spent
+        store.put("k", torch.full((10_000,), 2.0), "device").wait()
+        with pytest.raises(BudgetError):
+            store.evict("k", "nvme")
+        assert store._shards["k"].home is Tier.DEVICE and _refs(store, "k") == {"device": 0, "host": 0}
+        store.drop("k")
+
+
+def test_a_device_fetch_of_a_damaged_nvme_copy_raises_once_instead_of_reading_it_again(
+    disk_dir: Path, monkeypatch
+) -> None:
+    """The staged host load fails (and its copy is freed) while the device buffer is allocated: the fetch raises
+    the read's error; it used to see the host copy gone and start again, the same failing read each time."""
+    with _store(disk_dir, host_bytes=8 * MiB) as store:
+        store.put("k", torch.full((10_000,), 1.0), "nvme").wait()
+        path, offset, _ = store.location("k")
+        with open(path, "r+b") as f:  # a flipped byte on disk
+            f.seek(offset + 100)
+            byte = f.read(1)
+            f.seek(offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        alloc, device_allocs = store._alloc, []
+
+        def after_the_host_load_failed(tier, *args, **kwargs):
+            if tier is Tier.DEVICE:
+                device_allocs.append(tier)
+                assert len(device_allocs) < 5, "the fetch reads the damaged copy again and again"
+                store._completer.flush()  # the staged read has run and failed meanwhile
+            return alloc(tier, *args, **kwargs)
+
+        monkeypatch.setattr(store, "_alloc", after_the_host_load_failed)
+        with pytest.raises(ChecksumError, match="fetch of 'k'"):
+            store.fetch("k", "device").wait()
+        assert len(device_allocs) == 1
+
+
+def test_moves_asked_of_a_closed_store_fail_at_once_instead_of_never_finishing(disk_dir: Path, monkeypatch) -> None:
+    store = _store(disk_dir, host_bytes=8 * MiB)
+    store.put("k", torch.full((10_000,), 1.0), "host").wait()
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.write("k", torch.full((10_000,), 2.0))  # its job went to the stopped mover: wait() never returned
+
+    store = _store(disk_dir, host_bytes=8 * MiB)
+    alloc = store._alloc
+
+    def closed_meanwhile(*args, **kwargs):
+        buf = alloc(*args, **kwargs)
+        store.close()  # another thread closes the store while put allocates
+        return buf
+
+    monkeypatch.setattr(store, "_alloc", closed_meanwhile)
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put("k", torch.full((10_000,), 1.0), "host")
+    assert "k" not in store
 
 
 def test_mixed_concurrent_moves_keep_every_key_whole_and_every_budget(disk_dir: Path) -> None:

@@ -99,10 +99,13 @@ class BufferPool(BudgetedAllocator):
         self.slab_total_bytes = 0
         self._slabs: list[_Slab] = []
         self._held: dict[int, tuple[_Slab, int, int]] = {}  # data_ptr -> (slab, offset, nbytes)
+        self._closed = False
 
     def close(self) -> None:
-        """Drop every slab; buffers still held stay valid as tensors but are no longer pooled."""
+        """Drop every slab; buffers still held stay valid as tensors but are no longer pooled (releasing one
+        after close() does nothing)."""
         with self._cond:
+            self._closed = True
             self._slabs.clear()
             self._held.clear()
             self.slab_total_bytes = 0
@@ -138,6 +141,8 @@ class BufferPool(BudgetedAllocator):
 
     def _give_back(self, buf: torch.Tensor) -> None:
         entry = self._held.pop(buf.data_ptr(), None)
+        if entry is None and self._closed:
+            return  # handed out before close(), which dropped its slab
         if entry is None:
             raise ValueError("release() of a buffer this pool did not hand out (or released twice)")
         slab, offset, need = entry

@@ -94,7 +94,13 @@ class TierMover(CopyMemory):
             staged = self._load(key, Tier.HOST, wait, prefetched=False, hold=True)
             if staged is None:
                 return None
-        buf = self._alloc(tier, shard.nbytes, wait, holder_of(key), key)
+        try:
+            buf = self._alloc(tier, shard.nbytes, wait, holder_of(key), key)
+        except BaseException:  # a wait that timed out, a copy that can never fit: the staged copy is not needed
+            if staged is not None:
+                with self._lock:
+                    self._unref(shard, staged)
+            raise
         with self._lock:
             # Meanwhile another thread may have loaded the copy, dropped the key, or freed the host copy
             # a device copy must come from (NVMe reads land in aligned host buffers only).
@@ -103,29 +109,41 @@ class TierMover(CopyMemory):
                 or self._shards.get(key) is not shard
                 or (tier is Tier.DEVICE and Tier.HOST not in shard.copies)
             )
-            if buf is None or raced:
-                if buf is not None:
-                    self._release(tier, buf)
-                if staged is not None:
-                    self._unref(shard, staged)
-                if self._shards.get(key) is not shard:
-                    raise KeyError(f"{key!r} was dropped while it was being fetched")
-                return None if buf is None else self._load(key, tier, wait, prefetched, hold)
-            copy = shard.copies[tier] = Copy(tier, buf, refs=int(hold), prefetched=prefetched)
-            if not hold:
-                self._idle[tier][key] = copy
-            source = staged or shard.copies.get(Tier.DEVICE if tier is Tier.HOST else Tier.HOST)
-            if source is not None and source is not staged:
-                self._ref(shard, source)
-            # a device source may have been written by the caller's stream: the copy comes after that work
-            after = self.copies.mark() if source is not None and source.buf.is_cuda else None
-            t0 = time.perf_counter_ns() if self._recorder is not None else 0
-            # A write in flight is queued ahead of this move; its job reads only after the write is done.
-            io = self._read_nvme(shard, buf) if source is None and shard.write_op is None else None
-            finish = functools.partial(self._finish_load, shard, copy, source, io, t0, after)
-            if shard.write_op is None:  # else it must stay behind the write's job, in the mover's order
-                copy.finish = finish
-            self._completer.submit(finish)
+            if buf is not None and not raced and not self._closed:
+                return self._issue_load(shard, tier, buf, staged, prefetched, hold)
+            if buf is not None:
+                self._release(tier, buf)
+            if staged is not None:
+                self._unref(shard, staged)
+            self._check_open()  # close() stops the mover: a load queued now would never finish
+            if self._shards.get(key) is not shard:
+                raise KeyError(f"{key!r} was dropped while it was being fetched")
+            if staged is not None and staged.error is not None:
+                raise staged.error  # the host copy it was to come from failed to load: trying again reads it again
+            if buf is None:
+                return None
+        return self._load(key, tier, wait, prefetched, hold)  # not under the lock: it may wait for memory
+
+    def _issue_load(
+        self, shard: Shard, tier: Tier, buf: torch.Tensor, staged: Copy | None, prefetched: bool, hold: bool
+    ) -> Copy:
+        """Under the lock: register the copy in `buf` and start its bytes coming (from the other memory tier's
+        copy, or from NVMe); the mover finishes it in order."""
+        copy = shard.copies[tier] = Copy(tier, buf, refs=int(hold), prefetched=prefetched)
+        if not hold:
+            self._idle[tier][shard.key] = copy
+        source = staged or shard.copies.get(Tier.DEVICE if tier is Tier.HOST else Tier.HOST)
+        if source is not None and source is not staged:
+            self._ref(shard, source)
+        # a device source may have been written by the caller's stream: the copy comes after that work
+        after = self.copies.mark() if source is not None and source.buf.is_cuda else None
+        t0 = time.perf_counter_ns() if self._recorder is not None else 0
+        # A write in flight is queued ahead of this move; its job reads only after the write is done.
+        io = self._read_nvme(shard, buf) if source is None and shard.write_op is None else None
+        finish = functools.partial(self._finish_load, shard, copy, source, io, t0, after)
+        if shard.write_op is None:  # else it must stay behind the write's job, in the mover's order
+            copy.finish = finish
+        self._completer.submit(finish)
         return copy
 
     def _finish_load(
@@ -195,6 +213,7 @@ class TierMover(CopyMemory):
         self, shard: Shard, flat: torch.Tensor, source: Copy | None, staging: torch.Tensor | None
     ) -> MoveHandle:
         """Under the lock: drop the other copies, send `flat` (or `staging`, or the source) home."""
+        self._check_open()  # close() stops the mover: a write queued now would never finish
         others = [c for c in shard.copies.values() if c is not source and not c.home]
         held = [c.tier.value for c in shard.copies.values() if c is not source and c.refs]  # the home too
         if held:
@@ -303,13 +322,15 @@ class TierMover(CopyMemory):
         if host_copy.error is not None:
             raise host_copy.error
         if to is Tier.NVME:
-            offset = self._file.allocate(shard.nbytes)
             t0 = time.perf_counter_ns() if self._recorder is not None else 0
+            offset = None
             try:
+                offset = self._file.allocate(shard.nbytes)
                 written = self._file.write(host_copy.buf, offset, shard.nbytes)
                 written.wait()
             except BaseException:
-                self._file.free(offset, shard.nbytes)
+                if offset is not None:
+                    self._file.free(offset, shard.nbytes)
                 if fetched:
                     with self._lock:
                         self._unref(shard, host_copy)

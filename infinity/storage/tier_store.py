@@ -160,7 +160,8 @@ class TierStore(TierMover):
         """Start bringing `key` to "device" or "host"; the handle's wait() gives the tensor there.
 
         A copy already there (or on its way) is shared at once. Each fetch holds one reference until
-        `release(key, tier)`; a fetch whose wait() raised holds none. Waits while the tier is full.
+        `release(key, tier)`; a fetch whose wait() raised the move's error holds none, one whose wait(timeout_s)
+        ran out still holds it (wait again, or release). Waits while the tier is full.
         """
         tier = self._target(tier)
         copy = self._load(key, tier, wait=True, prefetched=False, hold=True)
@@ -173,7 +174,9 @@ class TierStore(TierMover):
     def fetch_to_overwrite(self, key: Hashable, tier: Tier | str) -> torch.Tensor:
         """A held copy of `key` on `tier` that the caller overwrites whole and then `write`s in place (which
         keeps it as the cached copy). Made without reading the home when no copy is there; a copy that is
-        there is shared once loaded. Release it as a fetch; until the write, its bytes are garbage."""
+        there is shared once loaded. Release it as a fetch; until the write, its bytes are garbage, and the caller
+        must be the key's only user: a fetch of the key meanwhile (or a load of it to the other tier) would share
+        them."""
         tier = self._target(tier)
         with self._lock:
             self._check_open()
