@@ -109,6 +109,32 @@ def test_a_wait_that_nothing_ends_times_out_with_a_clear_error() -> None:
     pool.release(pool.acquire(MiB))  # usable afterwards
 
 
+def test_free_bytes_split_by_held_buffers_are_named_in_the_timeout() -> None:
+    pool = BufferPool(budget_bytes=4 * ALIGN, slab_bytes=4 * ALIGN, timeout_s=0.2)
+    pages = [pool.acquire(ALIGN) for _ in range(4)]
+    pool.release(pages[0])
+    pool.release(pages[2])  # half the budget free, in two pages apart
+    with pytest.raises(BudgetError, match="split: the longest free range is 4096 bytes"):
+        pool.acquire(2 * ALIGN)
+    pool.release(pages[1])
+    pool.release(pool.acquire(3 * ALIGN))  # whole again once the page between comes back
+
+
+def test_requests_take_the_smallest_free_range_that_holds_them() -> None:
+    """Best fit: a small request leaves a larger range whole for a larger one (first fit split it and the
+    largest request then found no room)."""
+    pool = BufferPool(budget_bytes=10 * ALIGN, slab_bytes=10 * ALIGN, timeout_s=0.2)
+    bufs = [pool.acquire(n * ALIGN) for n in (3, 1, 1, 1, 4)]
+    base = bufs[0].data_ptr()
+    pool.release(bufs[0])  # free: 3 pages at 0, 1 page at 4, 4 pages at 6
+    pool.release(bufs[2])
+    pool.release(bufs[4])
+    one = pool.acquire(ALIGN)
+    assert one.data_ptr() == base + 4 * ALIGN  # the one-page hole, not the start of the three-page one
+    three, four = pool.acquire(3 * ALIGN), pool.acquire(4 * ALIGN)
+    assert (three.data_ptr() - base, four.data_ptr() - base) == (0, 6 * ALIGN)
+
+
 def test_a_full_pool_asks_its_owner_to_reclaim_before_waiting() -> None:
     pool = BufferPool(budget_bytes=2 * MiB, timeout_s=5)
     cached = [pool.acquire(MiB), pool.acquire(MiB)]

@@ -80,8 +80,8 @@ class BudgetedAllocator:
                     if left <= 0:
                         raise BudgetError(
                             f"{self.name}: waited {timeout:.1f} s for {need} bytes; {self.live_bytes} of "
-                            f"{self.budget_bytes} budget bytes stay in use and none came back. Release fetched "
-                            "copies (or wait for in-flight moves) before asking for more"
+                            f"{self.budget_bytes} budget bytes stay in use and none came back{self._shortfall(need)}. "
+                            "Release fetched copies (or wait for in-flight moves) before asking for more"
                         )
                     if waited_from is None:
                         waited_from = time.perf_counter_ns()
@@ -120,6 +120,10 @@ class BudgetedAllocator:
     # Subclasses: called with the condition held.
     def _footprint(self, nbytes: int) -> int:
         return nbytes
+
+    def _shortfall(self, need: int) -> str:
+        """Why `need` bytes were refused when the budget alone does not say (e.g. free bytes split up)."""
+        return ""
 
     def _take(self, need: int) -> Any:
         raise NotImplementedError

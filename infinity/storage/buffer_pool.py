@@ -133,6 +133,16 @@ class BufferPool(BudgetedAllocator):
         self.slab_total_bytes += size
         return self._hand_out(slab, slab.ranges.alloc(need), need)
 
+    def _shortfall(self, need: int) -> str:
+        if self.budget_bytes is None or self.live_bytes + need > self.budget_bytes:
+            return ""
+        largest = max((s.ranges.largest_free() for s in self._slabs), default=0)
+        unslabbed = self.budget_bytes - self.slab_total_bytes
+        return (
+            f" (the free bytes are split: the longest free range is {max(largest, unslabbed)} bytes; buffers held"
+            " for good, such as host-home shards, sit between them: a larger host budget leaves room)"
+        )
+
     def _hand_out(self, slab: _Slab, offset: int, need: int) -> torch.Tensor:
         buf = slab.tensor[offset : offset + need]
         self._held[buf.data_ptr()] = (slab, offset, need)

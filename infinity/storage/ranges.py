@@ -1,4 +1,4 @@
-"""First-fit allocation of byte ranges inside a region that can grow (a host slab, the swap file)."""
+"""Best-fit allocation of byte ranges inside a region that can grow (a host slab, the swap file)."""
 
 from __future__ import annotations
 
@@ -26,16 +26,27 @@ class RangeAllocator:
             self._insert(start, extra)
 
     def alloc(self, n: int) -> int | None:
-        """The offset of a free range of `n` bytes, or None when none is large enough."""
+        """The offset of `n` bytes taken from the smallest free range that holds them (the lowest such), or None
+        when none is large enough. Best fit keeps large ranges whole for large requests."""
+        best = None
         for start in self._starts:
             length = self._lengths[start]
-            if length >= n:
-                self._remove(start)
-                if length > n:
-                    self._insert_raw(start + n, length - n)
-                self.used += n
-                return start
-        return None
+            if length >= n and (best is None or length < self._lengths[best]):
+                best = start
+                if length == n:
+                    break
+        if best is None:
+            return None
+        length = self._lengths[best]
+        self._remove(best)
+        if length > n:
+            self._insert_raw(best + n, length - n)
+        self.used += n
+        return best
+
+    def largest_free(self) -> int:
+        """The longest free range, in bytes (0 when none is free)."""
+        return max(self._lengths.values(), default=0)
 
     def free(self, start: int, n: int) -> None:
         self.used -= n
